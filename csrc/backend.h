@@ -1,0 +1,107 @@
+/* backend.h: the one interface behind which the CPU (csrc/cpu/) and CUDA (kernels/) engines sit.
+ *
+ * The forward pass (session.c) is written once, against these ops; each backend implements
+ * them. qwencuda.kernels (py_kernels.c) calls the very same ops on NumPy inputs, so a kernel
+ * tested from pytest is the kernel the model runs.
+ *
+ * Conventions for every op:
+ *  - pointers are backend memory (CPU: host memory; CUDA: device memory), obtained from
+ *    ops->alloc or, for weights, from ops->weight; they are opaque to the forward pass.
+ *  - activations are float32, row-major, one row per token: x[n][features].
+ *  - ids and positions are int32 arrays in backend memory, so that a decode step can later
+ *    run as one CUDA graph with the token and position read from device memory.
+ *  - ops are asynchronous on CUDA (one stream per backend); download() waits.
+ *  - each op returns 0, or -1 after filling be->err. A backend serves one caller at a time.
+ */
+#ifndef QC_BACKEND_H
+#define QC_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A weight matrix as stored in the file: rows = output features (GGUF ne[1]),
+ * cols = input features (GGUF ne[0], the fastest-varying dimension). NumPy view: (rows, cols),
+ * and y = W @ x. */
+typedef struct qc_weight {
+    uint32_t type;            /* qc_type */
+    int64_t rows, cols;
+    size_t nbytes;
+    const void *host;         /* stored bytes, in the file mapping */
+    void *data;               /* backend copy (CPU: aliases host) */
+} qc_weight;
+
+typedef struct qc_backend qc_backend;
+
+typedef struct qc_backend_ops {
+    /* ---- memory ---- */
+    int (*alloc)(qc_backend *be, size_t bytes, void **out);
+    void (*free)(qc_backend *be, void *ptr);                                      /* NULL ok */
+    int (*upload)(qc_backend *be, void *dst, const void *host_src, size_t bytes);
+    int (*download)(qc_backend *be, void *host_dst, const void *src, size_t bytes); /* waits */
+    int (*copy)(qc_backend *be, void *dst, const void *src, size_t bytes);
+    /* Make w->data usable by the ops (CPU: w->data = w->host; CUDA: allocate and upload). */
+    int (*weight_load)(qc_backend *be, qc_weight *w);
+    void (*weight_free)(qc_backend *be, qc_weight *w);                            /* safe twice */
+    int (*synchronize)(qc_backend *be);
+    void (*destroy)(qc_backend *be);
+
+    /* ---- ops ---- */
+    /* out[i][:] = dequantized row ids[i] of table; table is (rows, cols), out is [n][cols]. */
+    int (*embed)(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out);
+    /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, accumulated in float32. */
+    int (*rmsnorm)(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
+                   float *out);
+    /* out[n][rows] = x[n][cols] @ W^T (+ bias[rows] when bias is not NULL). */
+    int (*matmul)(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
+                  float *out);
+    /* In place NEOX rotary embedding of x[n][n_heads][head_dim]: for i < head_dim/2 the pair
+     * (i, i + head_dim/2) of token t is rotated by pos[t] * theta^(-2i/head_dim). */
+    int (*rope)(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
+                float theta);
+    /* k_cache[pos[t]][:] = k[t][:], likewise v; caches are [max_ctx][kv_dim]. */
+    int (*kv_store)(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
+                    int kv_dim, float *k_cache, float *v_cache);
+    /* Causal GQA attention over the cache: query t (head h) attends keys 0..pos[t] of KV head
+     * h / (n_head / n_head_kv), scale 1/sqrt(head_dim). q is [n][n_head][head_dim], out is
+     * [n][n_head * head_dim]. n_kv = pos[n-1] + 1 (the host knows it). scores and probs, when
+     * not NULL, receive [n_head][n][n_kv]: scaled scores with -inf where masked, and the
+     * softmax (0 where masked). */
+    int (*attention)(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
+                     const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
+                     int head_dim, float *out, float *scores, float *probs);
+    /* out = silu(gate) * up, elementwise over count values. */
+    int (*swiglu)(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
+    /* out = a + b, elementwise (out may alias a or b). */
+    int (*add)(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
+    /* out[i] = index of the largest value of row i of x[n][cols] (first one on ties). */
+    int (*argmax)(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
+} qc_backend_ops;
+
+struct qc_backend {
+    const qc_backend_ops *ops;
+    const char *name;         /* "cpu" or "cuda" */
+    int device;               /* CUDA device ordinal; 0 for cpu */
+    int threads;              /* CPU worker threads */
+    qc_error err;             /* filled by a failing op */
+    void *impl;               /* backend-private state */
+};
+
+/* device: "cpu", "cuda" or "cuda:N". threads: CPU workers, <= 0 for the machine's cores. */
+int qc_backend_create(const char *device, int threads, qc_backend **out, qc_error *err);
+void qc_backend_destroy(qc_backend *be);   /* NULL ok */
+
+int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err);
+/* Defined only in CUDA builds (QC_HAVE_CUDA); elsewhere qc_backend_create says so. */
+int qc_cuda_backend_create(int device, qc_backend **out, qc_error *err);
+/* Number of visible CUDA devices; 0 in CPU-only builds or without a driver/GPU. */
+int qc_cuda_device_count(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* QC_BACKEND_H */

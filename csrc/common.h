@@ -1,0 +1,64 @@
+/* common.h: error reporting and size arithmetic shared by every C layer.
+ *
+ * Internal C code never raises Python exceptions and never exits: a function that can fail
+ * returns 0 on success or -1 on failure, after filling a qc_error. Only the binding layer
+ * (py_*.c) turns a qc_error into a Python exception (see py_common.h).
+ */
+#ifndef QC_COMMON_H
+#define QC_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    QC_OK = 0,
+    QC_ERR_VALUE,   /* bad argument from the caller: ValueError            */
+    QC_ERR_GGUF,    /* malformed / unsupported GGUF file: GGUFError        */
+    QC_ERR_MODEL,   /* file is GGUF but not a model we can run: ModelError */
+    QC_ERR_CUDA,    /* CUDA / cuBLAS failure: CudaError                    */
+    QC_ERR_NOMEM,   /* host allocation failed: MemoryError                 */
+    QC_ERR_IO,      /* open/mmap/read failed: OSError                      */
+    QC_ERR_RANGE,   /* token id / context overflow: IndexError-ish -> ValueError */
+} qc_errkind;
+
+typedef struct qc_error {
+    qc_errkind kind;
+    char msg[512];
+} qc_error;
+
+/* Fill err (if not NULL) and return -1, so callers write `return qc_fail(err, ...)`. */
+int qc_fail(qc_error *err, qc_errkind kind, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+/* Overflow-checked arithmetic for sizes that come from files: 0 on success, -1 on overflow. */
+static inline int qc_mul_u64(uint64_t a, uint64_t b, uint64_t *out) {
+    if (a != 0 && b > UINT64_MAX / a) return -1;
+    *out = a * b;
+    return 0;
+}
+static inline int qc_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
+    if (b > UINT64_MAX - a) return -1;
+    *out = a + b;
+    return 0;
+}
+
+/* IEEE half / bfloat16 to float, bit exact (no hardware half support needed). */
+float qc_fp16_to_fp32(uint16_t h);
+uint16_t qc_fp32_to_fp16(float f);
+static inline float qc_bf16_to_fp32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* QC_COMMON_H */

@@ -1,0 +1,61 @@
+/* model.h: a Qwen2 / Qwen2.5 model: config from GGUF metadata, weights mapped and validated,
+ * placed on a backend. */
+#ifndef QC_MODEL_H
+#define QC_MODEL_H
+
+#include "backend.h"
+#include "gguf.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct qc_config {
+    char arch[32];            /* general.architecture: "qwen2" */
+    int64_t n_vocab;          /* rows of token_embd (151936 for Qwen2.5), not the tokenizer's count */
+    int64_t dim;              /* qwen2.embedding_length */
+    int64_t n_layer;          /* qwen2.block_count */
+    int64_t n_head;           /* qwen2.attention.head_count */
+    int64_t n_head_kv;        /* qwen2.attention.head_count_kv */
+    int64_t head_dim;         /* dim / n_head */
+    int64_t ffn_dim;          /* qwen2.feed_forward_length */
+    int64_t n_ctx_train;      /* qwen2.context_length */
+    float rope_theta;         /* qwen2.rope.freq_base (1e6) */
+    float norm_eps;           /* qwen2.attention.layer_norm_rms_epsilon (1e-6) */
+    int tied;                 /* 1 when the file has no output.weight: lm_head = token_embd */
+} qc_config;
+
+typedef struct qc_layer {
+    float *attn_norm;         /* (dim) */
+    qc_weight wq;             /* (n_head * head_dim, dim) */
+    qc_weight wk;             /* (n_head_kv * head_dim, dim) */
+    qc_weight wv;             /* (n_head_kv * head_dim, dim) */
+    float *bq, *bk, *bv;      /* q/k/v biases: Qwen2 has them, and they are large */
+    qc_weight wo;             /* (dim, n_head * head_dim); no bias */
+    float *ffn_norm;          /* (dim) */
+    qc_weight w_gate;         /* (ffn_dim, dim) */
+    qc_weight w_up;           /* (ffn_dim, dim) */
+    qc_weight w_down;         /* (dim, ffn_dim) */
+} qc_layer;
+
+typedef struct qc_model {
+    gguf_file *file;          /* owns the mapping the weights point into */
+    qc_config cfg;
+    qc_backend *be;
+    qc_weight tok_embd;       /* (n_vocab, dim) */
+    float *output_norm;       /* (dim) */
+    qc_weight output;         /* (n_vocab, dim); when cfg.tied, the same memory as tok_embd */
+    qc_layer *layers;         /* [n_layer] */
+} qc_model;
+
+/* Read and validate the config (architecture, divisibility, even head_dim, ...). */
+int qc_config_from_gguf(const gguf_file *f, qc_config *cfg, qc_error *err);
+/* Load path on device ("cpu", "cuda", "cuda:N"); validates every tensor's shape against the
+ * config (QC_ERR_MODEL naming the tensor and both shapes). */
+int qc_model_load(const char *path, const char *device, int threads, qc_model **out, qc_error *err);
+void qc_model_free(qc_model *m);   /* safe on a half-built model, NULL ok */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* QC_MODEL_H */

@@ -1,0 +1,85 @@
+/* module.c: qwencuda._core, the extension module: exceptions, build_info, and the types and
+ * functions of the binding files (py_*.c). */
+#define QC_PY_MODULE_MAIN
+#include "py_common.h"
+
+#include "backend.h"
+
+PyObject *qc_GGUFError = NULL;
+PyObject *qc_ModelError = NULL;
+PyObject *qc_CudaError = NULL;
+
+PyObject *qc_py_raise(const qc_error *err) {
+    PyObject *type;
+    switch (err->kind) {
+    case QC_ERR_GGUF: type = qc_GGUFError; break;
+    case QC_ERR_MODEL: type = qc_ModelError; break;
+    case QC_ERR_CUDA: type = qc_CudaError; break;
+    case QC_ERR_NOMEM: type = PyExc_MemoryError; break;
+    case QC_ERR_IO: type = PyExc_OSError; break;
+    case QC_ERR_RANGE: type = PyExc_ValueError; break;
+    default: type = PyExc_ValueError; break;
+    }
+    PyErr_SetString(type, err->msg[0] ? err->msg : "qwencuda: unknown error");
+    return NULL;
+}
+
+static PyObject *build_info(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+#ifdef QC_HAVE_CUDA
+    PyObject *cuda = Py_True;
+    const char *archs = QC_CUDA_ARCHS, *cuda_version = QC_CUDA_VERSION;
+#else
+    PyObject *cuda = Py_False;
+    const char *archs = "", *cuda_version = "";
+#endif
+#if defined(__clang__)
+    const char *cc = "clang " __clang_version__;
+#elif defined(__GNUC__)
+    const char *cc = "gcc " __VERSION__;
+#else
+    const char *cc = "unknown";
+#endif
+    return Py_BuildValue("{s:O,s:s,s:s,s:s,s:i}",
+                         "cuda", cuda, "cuda_archs", archs, "cuda_version", cuda_version,
+                         "c_compiler", cc, "cuda_devices", qc_cuda_device_count());
+}
+
+static PyMethodDef module_methods[] = {
+    {"build_info", build_info, METH_NOARGS,
+     "build_info() -> dict: whether CUDA was built, its architectures, compiler and CUDA versions."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "qwencuda._core",
+    "qwencuda's C core: GGUF reader, block formats, CPU and CUDA engines, tokenizer, sampler.",
+    -1, module_methods, NULL, NULL, NULL, NULL,
+};
+
+static int add_exception(PyObject *m, PyObject **slot, const char *name, PyObject *base,
+                         const char *doc) {
+    *slot = PyErr_NewExceptionWithDoc(name, doc, base, NULL);
+    if (*slot == NULL) return -1;
+    /* The module keeps its own reference; the global one lives as long as the process. */
+    if (PyModule_AddObjectRef(m, strrchr(name, '.') + 1, *slot) < 0) return -1;
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__core(void) {
+    import_array();
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) return NULL;
+    if (add_exception(m, &qc_GGUFError, "qwencuda.GGUFError", PyExc_ValueError,
+                      "A GGUF file is malformed, truncated or uses something unsupported.") < 0 ||
+        add_exception(m, &qc_ModelError, "qwencuda.ModelError", PyExc_ValueError,
+                      "A GGUF file is not a model qwencuda can run (architecture, shapes, types).") < 0 ||
+        add_exception(m, &qc_CudaError, "qwencuda.CudaError", PyExc_RuntimeError,
+                      "A CUDA or cuBLAS call failed (the message names the call).") < 0 ||
+        qc_py_add_gguf(m) < 0 || qc_py_add_model(m) < 0 || qc_py_add_sampler(m) < 0 ||
+        qc_py_add_tokenizer(m) < 0 || qc_py_add_kernels(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

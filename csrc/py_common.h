@@ -1,0 +1,33 @@
+/* py_common.h: what every binding file (py_*.c) shares: the NumPy C API import, the module's
+ * exception types, and the one place where a qc_error becomes a Python exception. */
+#ifndef QC_PY_COMMON_H
+#define QC_PY_COMMON_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define PY_ARRAY_UNIQUE_SYMBOL qc_ARRAY_API
+#ifndef QC_PY_MODULE_MAIN
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+#include "common.h"
+
+/* Exception types, created once at module init (module.c). */
+extern PyObject *qc_GGUFError;   /* ValueError subclass */
+extern PyObject *qc_ModelError;  /* ValueError subclass */
+extern PyObject *qc_CudaError;   /* RuntimeError subclass */
+
+/* Raise the Python exception that matches err->kind; always returns NULL. */
+PyObject *qc_py_raise(const qc_error *err);
+
+/* Each binding file adds its types and functions to the module; 0 on success, -1 with an
+ * exception set. Called in this order by module.c. */
+int qc_py_add_gguf(PyObject *m);       /* py_gguf.c: GGUFFile, dequantize */
+int qc_py_add_model(PyObject *m);      /* py_model.c: Model, Session */
+int qc_py_add_sampler(PyObject *m);    /* py_sampler.c: Sampler, sample */
+int qc_py_add_tokenizer(PyObject *m);  /* py_tokenizer.c: Tokenizer */
+int qc_py_add_kernels(PyObject *m);    /* py_kernels.c: kernel_* functions */
+
+#endif /* QC_PY_COMMON_H */

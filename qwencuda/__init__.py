@@ -1,0 +1,66 @@
+"""qwencuda: a transparent Qwen2/Qwen2.5 GGUF inference engine in C and CUDA.
+
+Every intermediate tensor, attention map, lm_head projection and argmax choice comes back as a
+NumPy array, and every kernel can be called on NumPy inputs (qwencuda.kernels).
+
+    import qwencuda as qc
+    f = qc.GGUFFile("model.gguf")              # metadata, tensors, f.tensor(name)
+    m = qc.Model("model.gguf", device="cuda")  # or "cpu"
+    tr = m.forward(ids, capture=["blk.*.attn_probs"])
+    tr.logits, tr["blk.0.attn_probs"]
+
+Submodules and names are imported on first use, so `import qwencuda` stays light.
+"""
+from ._core import CudaError, GGUFError, ModelError
+
+__version__ = "0.1.0"
+
+# public name -> (submodule, attribute or None for the submodule itself)
+_LAZY = {
+    "GGUFFile": ("gguf", "GGUFFile"),
+    "dequantize": ("gguf", "dequantize"),
+    "Model": ("model", "Model"),
+    "Session": ("model", "Session"),
+    "Trace": ("trace", "Trace"),
+    "capture_names": ("trace", "capture_names"),
+    "Tokenizer": ("tokenizer", "Tokenizer"),
+    "Sampler": ("sampling", "Sampler"),
+    "sample": ("sampling", "sample"),
+    "compare": ("compare", "compare"),
+    "diagnose": ("diagnose", "diagnose"),
+    "logit_lens": ("lens", "logit_lens"),
+    "resolve_model_path": ("default_model", "resolve_model_path"),
+    "default_model_path": ("default_model", "default_model_path"),
+    "kernels": ("kernels", None),
+    "reference": ("reference", None),
+    "testing": ("testing", None),
+}
+
+__all__ = ["CudaError", "GGUFError", "ModelError", "build_info", "__version__", *_LAZY]
+
+
+def __getattr__(name):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'qwencuda' has no attribute {name!r}") from None
+    import importlib
+
+    mod = importlib.import_module(f".{module}", __name__)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def build_info():
+    """What this installation was built with: CUDA or not, GPU architectures, compiler and
+    CUDA versions, visible CUDA devices."""
+    from . import _core
+
+    info = dict(_core.build_info())
+    info["version"] = __version__
+    return info

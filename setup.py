@@ -1,0 +1,126 @@
+"""Build qwencuda._core: C11 host code (csrc/) and, where nvcc is found, CUDA kernels (kernels/).
+
+Environment:
+  QWENCUDA_CUDA=0          build the CPU-only module even where nvcc exists
+  QWENCUDA_CUDA_ARCHS      semicolon list of SM versions (default "80;86;89;90"; 90 = H100/H200)
+  CUDA_HOME / CUDA_PATH    where the toolkit lives (else nvcc on PATH, else /usr/local/cuda)
+  QWENCUDA_DEBUG=1         -O0 -g builds
+"""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "80;86;89;90"
+
+
+def find_cuda():
+    """Return (cuda_home, nvcc) or (None, None)."""
+    if os.environ.get("QWENCUDA_CUDA", "1") == "0":
+        return None, None
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home, os.path.join(home, "bin", "nvcc")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), nvcc
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda", "/usr/local/cuda/bin/nvcc"
+    return None, None
+
+
+def nvcc_version(nvcc):
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else "unknown"
+
+
+def cuda_archs():
+    archs = [a.strip() for a in os.environ.get("QWENCUDA_CUDA_ARCHS", DEFAULT_ARCHS).split(";") if a.strip()]
+    for a in archs:
+        if not re.fullmatch(r"\d+a?", a):
+            raise SystemExit(f"QWENCUDA_CUDA_ARCHS: bad architecture {a!r} (want e.g. 80;90)")
+    return archs
+
+
+class BuildExt(build_ext):
+    def build_extension(self, ext):
+        cuda_home, nvcc = find_cuda()
+        debug = os.environ.get("QWENCUDA_DEBUG") == "1"
+        opt = ["-O0", "-g"] if debug else ["-O3"]
+        ext.extra_compile_args = ["-std=c11", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
+                                  "-fvisibility=hidden", "-pthread"] + opt
+        ext.extra_link_args = ["-pthread", "-lm"]
+        if cuda_home:
+            archs = cuda_archs()
+            version = nvcc_version(nvcc)
+            print(f"qwencuda: building with CUDA {version} from {cuda_home}, architectures {';'.join(archs)}")
+            objects = self.compile_cuda(nvcc, cuda_home, archs, debug)
+            ext.extra_objects = objects
+            ext.define_macros += [("QC_HAVE_CUDA", "1"),
+                                  ("QC_CUDA_ARCHS", '"%s"' % ";".join(archs)),
+                                  ("QC_CUDA_VERSION", '"%s"' % version)]
+            ext.include_dirs.append(os.path.join(cuda_home, "include"))
+            libdir = os.path.join(cuda_home, "lib64")
+            if not os.path.isdir(libdir):
+                libdir = os.path.join(cuda_home, "lib")
+            ext.library_dirs.append(libdir)
+            ext.runtime_library_dirs.append(libdir)
+            ext.libraries += ["cudart", "cublas", "stdc++"]
+        else:
+            print("qwencuda: nvcc not found (or QWENCUDA_CUDA=0): building the CPU-only module")
+        super().build_extension(ext)
+
+    def compile_cuda(self, nvcc, cuda_home, archs, debug):
+        sources = sorted(glob.glob(os.path.join("kernels", "*.cu")))
+        outdir = os.path.join(self.build_temp, "kernels")
+        os.makedirs(outdir, exist_ok=True)
+        gencode = []
+        for a in archs:
+            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        # PTX of the highest architecture too, so newer GPUs can JIT it.
+        top = archs[-1]
+        gencode += ["-gencode", f"arch=compute_{top},code=compute_{top}"]
+        headers = glob.glob("kernels/*.cuh") + glob.glob("csrc/*.h")
+        newest_header = max((os.path.getmtime(h) for h in headers), default=0)
+
+        def one(src):
+            obj = os.path.join(outdir, os.path.basename(src) + ".o")
+            if (os.path.exists(obj) and os.path.getmtime(obj) > os.path.getmtime(src)
+                    and os.path.getmtime(obj) > newest_header and not self.force):
+                return obj
+            cmd = [nvcc, "-c", src, "-o", obj, "-std=c++17", "-Icsrc", "-Ikernels",
+                   "-Xcompiler", "-fPIC,-Wall,-fvisibility=hidden", "--expt-relaxed-constexpr",
+                   "-DQC_HAVE_CUDA=1"] + (["-O0", "-g", "-lineinfo"] if debug else ["-O3", "-lineinfo"]) + gencode
+            print(" ".join(cmd))
+            r = subprocess.run(cmd)
+            if r.returncode != 0:
+                raise SystemExit(f"nvcc failed on {src}")
+            return obj
+
+        jobs = int(os.environ.get("QWENCUDA_NVCC_JOBS", str(max(1, os.cpu_count() or 1))))
+        with ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(one, sources))
+
+
+c_sources = sorted(glob.glob("csrc/*.c") + glob.glob("csrc/cpu/*.c"))
+
+setup(
+    ext_modules=[Extension(
+        "qwencuda._core",
+        sources=c_sources,
+        include_dirs=["csrc", numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("_GNU_SOURCE", "1")],
+        depends=glob.glob("csrc/*.h") + glob.glob("csrc/cpu/*.h"),
+    )],
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,0 +1,48 @@
+"""Shared fixtures: devices, GPU skipping, the real model."""
+import os
+
+import pytest
+
+import qwencuda
+
+
+def _gpu_available():
+    info = qwencuda.build_info()
+    return bool(info["cuda"]) and info["cuda_devices"] > 0
+
+
+GPU = _gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build")
+    for item in items:
+        if "gpu" in item.keywords and not GPU:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Runs a test once per backend; the CUDA run skips without a GPU."""
+    return request.param
+
+
+def _real_model_path():
+    path = os.environ.get("QWENCUDA_MODEL")
+    if path:
+        return path if os.path.exists(path) else None
+    try:
+        from qwencuda.default_model import default_model_path
+
+        return default_model_path(assemble=True)
+    except Exception:  # not installed (no `model` extra): the real-model tests skip
+        return None
+
+
+@pytest.fixture(scope="session")
+def real_model_path():
+    """Path to the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M file, or skip."""
+    path = _real_model_path()
+    if path is None:
+        pytest.skip("real model not installed: pip install '.[model]' or set QWENCUDA_MODEL")
+    return path
