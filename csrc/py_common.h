@@ -24,7 +24,8 @@ PyObject *qc_py_raise(const qc_error *err);
 
 /* Each binding file adds its types and functions to the module; 0 on success, -1 with an
  * exception set. Called in this order by module.c. */
-int qc_py_add_gguf(PyObject *m);       /* py_gguf.c: GGUFFile, dequantize */
+int qc_py_add_gguf(PyObject *m);       /* py_gguf.c: GGUFFile */
+int qc_py_add_quants(PyObject *m);     /* py_quants.c: dequantize, type table */
 int qc_py_add_model(PyObject *m);      /* py_model.c: Model, Session */
 int qc_py_add_sampler(PyObject *m);    /* py_sampler.c: Sampler, sample */
 int qc_py_add_tokenizer(PyObject *m);  /* py_tokenizer.c: Tokenizer */
