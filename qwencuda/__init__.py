@@ -11,7 +11,32 @@ NumPy array, and every kernel can be called on NumPy inputs (qwencuda.kernels).
 
 Submodules and names are imported on first use, so `import qwencuda` stays light.
 """
-from ._core import CudaError, GGUFError, ModelError
+
+
+def _load_core():
+    """Import the C extension. When Python runs inside a source checkout (`python -m qwencuda`
+    from the repository root puts it first on sys.path) the checkout's qwencuda/ has no built
+    _core, while `pip install .` put one in site-packages: use that one."""
+    import importlib
+    import os
+    import sys
+
+    try:
+        return importlib.import_module("._core", __name__)
+    except ImportError as first:
+        here = os.path.dirname(os.path.abspath(__file__))
+        for entry in sys.path:
+            other = os.path.join(os.path.abspath(entry or "."), "qwencuda")
+            if other == here or not os.path.isdir(other):
+                continue
+            if any(n.startswith("_core.") and n.endswith((".so", ".pyd")) for n in os.listdir(other)):
+                __path__.append(other)
+                return importlib.import_module("._core", __name__)
+        raise ImportError(f"qwencuda's C extension is not built: run `pip install .` ({first})") from first
+
+
+_core = _load_core()
+CudaError, GGUFError, ModelError = _core.CudaError, _core.GGUFError, _core.ModelError
 
 __version__ = "0.1.0"
 
@@ -59,8 +84,6 @@ def __dir__():
 def build_info():
     """What this installation was built with: CUDA or not, GPU architectures, compiler and
     CUDA versions, visible CUDA devices."""
-    from . import _core
-
     info = dict(_core.build_info())
     info["version"] = __version__
     return info
