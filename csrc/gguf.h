@@ -4,6 +4,10 @@
  * length, offset and size against the mapping before it is used; a malformed file yields
  * QC_ERR_GGUF with a message that names the problem and the byte offset. Tensor data is never
  * copied: gguf_tensor.data points into the mapping, valid until gguf_close.
+ *
+ * Rejected as malformed: nested arrays, duplicate keys or tensor names, bool bytes other than
+ * 0/1, a general.alignment that is not a UINT32 power of two. With an alignment below 8 tensor
+ * data can sit at odd addresses: readers of block structs must check or copy.
  */
 #ifndef QC_GGUF_H
 #define QC_GGUF_H
@@ -41,7 +45,8 @@ typedef struct { const char *ptr; uint64_t len; } gguf_str;
 typedef struct {
     gguf_str key;
     uint32_t type;            /* gguf_value_type */
-    /* Scalars: `data` points at the little-endian value in the mapping; strings: `str`. */
+    /* Scalars: `data` points at the little-endian value in the mapping; strings: `str`
+     * (and `data` is NULL). */
     const uint8_t *data;
     gguf_str str;
     /* Arrays: element type, count; `data` points at the first element. For arrays of strings

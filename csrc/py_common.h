@@ -13,11 +13,17 @@
 #include <numpy/arrayobject.h>
 
 #include "common.h"
+#include "gguf.h"
 
 /* Exception types, created once at module init (module.c). */
 extern PyObject *qc_GGUFError;   /* ValueError subclass */
 extern PyObject *qc_ModelError;  /* ValueError subclass */
 extern PyObject *qc_CudaError;   /* RuntimeError subclass */
+
+/* The gguf_file behind a qwencuda.GGUFFile object, with *owner set to a new reference that keeps
+ * its mapping alive (the caller releases it). NULL with ValueError for a closed file, TypeError
+ * for anything else. */
+gguf_file *qc_py_gguf_borrow(PyObject *obj, PyObject **owner);
 
 /* Raise the Python exception that matches err->kind; always returns NULL. */
 PyObject *qc_py_raise(const qc_error *err);
