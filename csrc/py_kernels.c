@@ -1,7 +1,930 @@
-/* py_kernels.c: transitional scaffold; the owner replaces it. */
+/* py_kernels.c: every op of backend.h (and dequantize) callable on NumPy arrays, on any backend.
+ *
+ * _core.kernel_<op>(device, ...) creates (once per device, then cached) the backend that
+ * qc_backend_create gives for `device`, allocates backend buffers, uploads the inputs, runs the
+ * op through be->ops (the very function the forward pass calls), downloads the outputs and frees
+ * the buffers. The GIL is released around all backend work; a per-backend lock serialises
+ * callers, since a backend serves one caller at a time (backend.h).
+ *
+ * The Python layer (qwencuda/kernels.py) converts dtypes and shapes; this layer still checks
+ * every shape, size and index it relies on, so no call from Python can read or write out of
+ * bounds. A weight is the tuple (raw, type, rows, cols): raw is any C-contiguous buffer of the
+ * stored bytes (rows * row_bytes(type, cols) of them).
+ */
 #include "py_common.h"
 
-int qc_py_add_kernels(PyObject *m) {
-    (void)m;
+#include <pythread.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "quants.h"
+#ifdef QC_HAVE_CUDA
+#include "../kernels/qc_cuda_api.h"
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* the backend cache */
+
+#define QC_MAX_KERNEL_BACKENDS 16
+
+typedef struct {
+    char name[32];              /* "cpu", "cuda:0", ... */
+    qc_backend *be;             /* NULL once released */
+    PyThread_type_lock lock;    /* held while an op runs; never freed (see kernel_release) */
+} cached_backend;
+
+static cached_backend g_backends[QC_MAX_KERNEL_BACKENDS];
+
+/* "cuda" and "cuda:0" are one device. */
+static void normalize_device(const char *device, char *out, size_t size) {
+    if (strcmp(device, "cuda") == 0) device = "cuda:0";
+    snprintf(out, size, "%s", device);
+}
+
+/* The cached backend for device, created on first use (GIL held). NULL with an exception. */
+static cached_backend *get_backend(const char *device) {
+    char name[32];
+    qc_error err = {0};
+    qc_backend *be = NULL;
+    int free_slot = -1;
+    if (strlen(device) >= sizeof name) {
+        PyErr_Format(PyExc_ValueError, "unknown device '%s' (expected cpu, cuda or cuda:N)", device);
+        return NULL;
+    }
+    normalize_device(device, name, sizeof name);
+    for (int i = 0; i < QC_MAX_KERNEL_BACKENDS; i++) {
+        if (g_backends[i].lock && strcmp(g_backends[i].name, name) == 0) {
+            if (g_backends[i].be) return &g_backends[i];
+            free_slot = i;   /* released earlier: reuse the slot and its lock */
+            break;
+        }
+        if (g_backends[i].lock == NULL && free_slot < 0) free_slot = i;
+    }
+    if (free_slot < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "qwencuda.kernels: too many devices in use");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = qc_backend_create(name, 0, &be, &err);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return (cached_backend *)qc_py_raise(&err);
+    cached_backend *c = &g_backends[free_slot];
+    if (c->lock == NULL) {
+        c->lock = PyThread_allocate_lock();
+        if (c->lock == NULL) {
+            qc_backend_destroy(be);
+            PyErr_NoMemory();
+            return NULL;
+        }
+    }
+    snprintf(c->name, sizeof c->name, "%s", name);
+    c->be = be;
+    return c;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* backend buffers of one call: allocated, filled, freed together (no GIL needed) */
+
+#define QC_MAX_CALL_BUFFERS 12
+
+typedef struct {
+    qc_backend *be;
+    void *ptr[QC_MAX_CALL_BUFFERS];
+    int n;
+} call_bufs;
+
+static int buf_new(call_bufs *b, size_t bytes, void **out) {
+    *out = NULL;
+    if (b->n == QC_MAX_CALL_BUFFERS)
+        return qc_fail(&b->be->err, QC_ERR_VALUE, "py_kernels: too many buffers in one call");
+    if (b->be->ops->alloc(b->be, bytes ? bytes : 4, out) < 0) {
+        *out = NULL;
+        return -1;
+    }
+    b->ptr[b->n++] = *out;
     return 0;
+}
+
+static int buf_put(call_bufs *b, const void *host, size_t bytes, void **out) {
+    if (buf_new(b, bytes, out) < 0) return -1;
+    return bytes ? b->be->ops->upload(b->be, *out, host, bytes) : 0;
+}
+
+static void bufs_free(call_bufs *b) {
+    /* pending work must finish before its buffers go (the CPU backend's free is immediate) */
+    b->be->ops->synchronize(b->be);
+    for (int i = b->n - 1; i >= 0; i--) b->be->ops->free(b->be, b->ptr[i]);
+    b->n = 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* argument conversion (GIL held) */
+
+/* A C-contiguous float32 (or int32) array of ndim dimensions (ndim < 0: any), safely cast. */
+static PyArrayObject *as_array(PyObject *obj, int typenum, int ndim, const char *what) {
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(obj, typenum, NPY_ARRAY_IN_ARRAY);
+    if (a == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_Format(PyExc_TypeError, "%s: expected a %s array (%S)", what,
+                     typenum == NPY_FLOAT32 ? "float32" : "int32", value ? value : Py_None);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    if (ndim >= 0 && PyArray_NDIM(a) != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d dimensions, got shape with %d", what, ndim,
+                     PyArray_NDIM(a));
+        Py_DECREF(a);
+        return NULL;
+    }
+    return a;
+}
+
+typedef struct {
+    Py_buffer view;
+    int have_view;
+    qc_weight w;
+} weight_arg;
+
+static void weight_arg_release(weight_arg *wa) {
+    if (wa->have_view) PyBuffer_Release(&wa->view);
+    wa->have_view = 0;
+}
+
+/* (raw, type, rows, cols) -> a qc_weight whose host bytes are raw's buffer. */
+static int weight_arg_parse(PyObject *tuple, weight_arg *wa) {
+    PyObject *raw = NULL;
+    unsigned int type = 0;
+    long long rows = 0, cols = 0;
+    memset(wa, 0, sizeof *wa);
+    if (!PyTuple_Check(tuple) || !PyArg_ParseTuple(tuple, "OILL;weight must be (raw, type, rows, cols)",
+                                                   &raw, &type, &rows, &cols))
+        return -1;
+    const qc_type_traits *tr = qc_type_get(type);
+    if (tr == NULL || tr->type_size == 0 || tr->dequantize == NULL) {
+        PyErr_Format(PyExc_ValueError, "weight type %u is not a type qwencuda can run", type);
+        return -1;
+    }
+    if (rows < 1 || cols < 1) {
+        PyErr_Format(PyExc_ValueError, "weight shape (%lld, %lld) must be positive", rows, cols);
+        return -1;
+    }
+    int64_t rb = qc_row_bytes(type, cols);
+    if (rb < 0) {
+        PyErr_Format(PyExc_ValueError, "weight of type %s: %lld columns is not a multiple of its block size %lld",
+                     tr->name, cols, (long long)tr->block_size);
+        return -1;
+    }
+    if (PyObject_GetBuffer(raw, &wa->view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    wa->have_view = 1;
+    if (rows > INT64_MAX / rb || (int64_t)wa->view.len != rows * rb) {
+        PyErr_Format(PyExc_ValueError, "weight of type %s and shape (%lld, %lld) needs %lld bytes, raw has %zd",
+                     tr->name, rows, cols, (long long)(rows * rb), wa->view.len);
+        weight_arg_release(wa);
+        return -1;
+    }
+    wa->w.type = type;
+    wa->w.rows = rows;
+    wa->w.cols = cols;
+    wa->w.nbytes = (size_t)wa->view.len;
+    wa->w.host = wa->view.buf;
+    wa->w.data = NULL;
+    return 0;
+}
+
+static PyArrayObject *new_array(int typenum, int ndim, const npy_intp *shape) {
+    return (PyArrayObject *)PyArray_SimpleNew(ndim, (npy_intp *)shape, typenum);
+}
+
+static size_t nbytes_of(PyArrayObject *a) { return (size_t)PyArray_NBYTES(a); }
+
+/* The backend part of one kernel call: fills outputs from inputs through be->ops, using bufs for
+ * its backend buffers. Runs without the GIL. 0, or -1 with be->err set. */
+typedef int (*backend_work)(qc_backend *be, call_bufs *bufs, void *ctx);
+
+/* Run work on cached backend c with the GIL released and c's lock held. 0, or -1 with *err
+ * filled (the caller raises it). The call's buffers are freed here, after the work. */
+static int run_on_backend(cached_backend *c, backend_work work, void *ctx, qc_error *err) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(c->lock, WAIT_LOCK);
+    if (c->be == NULL) {
+        rc = qc_fail(err, QC_ERR_VALUE, "the kernels backend was released meanwhile");
+    } else {
+        qc_backend *be = c->be;
+        call_bufs bufs = {be, {0}, 0};
+        be->err.kind = QC_OK;
+        be->err.msg[0] = '\0';
+        rc = work(be, &bufs, ctx);
+        if (rc < 0) *err = be->err;
+        bufs_free(&bufs);
+    }
+    PyThread_release_lock(c->lock);
+    Py_END_ALLOW_THREADS
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* one kernel call: inputs uploaded, outputs allocated (or an input's buffer, for in-place ops),
+ * the op, outputs downloaded */
+
+#define QC_JOB_MAX 6
+
+typedef struct kernel_job kernel_job;
+typedef int (*job_op)(qc_backend *be, kernel_job *j);
+
+struct kernel_job {
+    const void *in[QC_JOB_MAX];     /* host inputs, uploaded in order */
+    size_t in_bytes[QC_JOB_MAX];
+    int n_in;
+    void *out[QC_JOB_MAX];          /* host outputs, downloaded after the op (NULL: scratch only) */
+    size_t out_bytes[QC_JOB_MAX];
+    int out_alias[QC_JOB_MAX];      /* >= 0: the output is (in place) that input's buffer */
+    int n_out;
+    void *d_in[QC_JOB_MAX], *d_out[QC_JOB_MAX];   /* backend buffers */
+    qc_weight *w;                   /* loaded before the op and freed after, when not NULL */
+    job_op op;
+    int empty;                      /* nothing to compute (zero tokens): skip the backend */
+    int i0, i1, i2, i3, i4;         /* op parameters */
+    int64_t count;
+    float f0;
+    double seconds;                 /* time_matmul: seconds per call */
+};
+
+static int job_in(kernel_job *j, const void *host, size_t bytes) {
+    j->in[j->n_in] = host;
+    j->in_bytes[j->n_in] = bytes;
+    return j->n_in++;
+}
+
+static void job_out(kernel_job *j, void *host, size_t bytes, int alias) {
+    j->out[j->n_out] = host;
+    j->out_bytes[j->n_out] = bytes;
+    j->out_alias[j->n_out] = alias;
+    j->n_out++;
+}
+
+static int job_work(qc_backend *be, call_bufs *bufs, void *ctx) {
+    kernel_job *j = ctx;
+    int rc = 0;
+    if (j->empty) return 0;
+    if (j->w && be->ops->weight_load(be, j->w) < 0) return -1;
+    for (int i = 0; i < j->n_in && rc == 0; i++) rc = buf_put(bufs, j->in[i], j->in_bytes[i], &j->d_in[i]);
+    for (int i = 0; i < j->n_out && rc == 0; i++) {
+        if (j->out_alias[i] >= 0) j->d_out[i] = j->d_in[j->out_alias[i]];
+        else rc = buf_new(bufs, j->out_bytes[i], &j->d_out[i]);
+    }
+    if (rc == 0) rc = j->op(be, j);
+    for (int i = 0; i < j->n_out && rc == 0; i++)
+        if (j->out[i]) rc = be->ops->download(be, j->out[i], j->d_out[i], j->out_bytes[i]);
+    if (j->w) {
+        qc_error keep = be->err;
+        be->ops->synchronize(be);   /* no queued kernel may still read the weight */
+        be->ops->weight_free(be, j->w);
+        be->err = keep;
+    }
+    return rc < 0 ? -1 : 0;
+}
+
+/* Run the job on the cached backend of device; raises on failure. */
+static int run_job(cached_backend *c, kernel_job *j) {
+    qc_error err = {0};
+    if (run_on_backend(c, job_work, j, &err) < 0) {
+        qc_py_raise(&err);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* the kernels */
+
+static int op_embed(qc_backend *be, kernel_job *j) {
+    return be->ops->embed(be, j->w, (const int32_t *)j->d_in[0], j->i0, (float *)j->d_out[0]);
+}
+
+/* embed rows ids of a weight table; shared by kernel_embed and kernel_dequantize */
+static PyObject *run_embed(cached_backend *c, weight_arg *wa, PyArrayObject *ids) {
+    kernel_job j = {0};
+    const npy_intp n = PyArray_SIZE(ids);
+    const int32_t *idv = (const int32_t *)PyArray_DATA(ids);
+    if (n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "embed: too many ids");
+        return NULL;
+    }
+    for (npy_intp i = 0; i < n; i++)
+        if (idv[i] < 0 || idv[i] >= wa->w.rows) {
+            PyErr_Format(PyExc_ValueError, "embed: id %d at index %zd is out of range [0, %lld)", (int)idv[i],
+                         (Py_ssize_t)i, (long long)wa->w.rows);
+            return NULL;
+        }
+    npy_intp shape[2] = {n, (npy_intp)wa->w.cols};
+    PyArrayObject *out = new_array(NPY_FLOAT32, 2, shape);
+    if (out == NULL) return NULL;
+    j.op = op_embed;
+    j.w = &wa->w;
+    j.empty = n == 0;
+    j.i0 = (int)n;
+    job_in(&j, idv, (size_t)n * sizeof(int32_t));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), -1);
+    if (run_job(c, &j) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return (PyObject *)out;
+}
+
+static PyObject *kernel_embed(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *wobj, *idobj;
+    weight_arg wa;
+    PyArrayObject *ids = NULL;
+    PyObject *res = NULL;
+    cached_backend *c;
+    if (!PyArg_ParseTuple(args, "sOO", &device, &wobj, &idobj)) return NULL;
+    if (weight_arg_parse(wobj, &wa) < 0) return NULL;
+    if ((c = get_backend(device)) == NULL) goto done;
+    if ((ids = as_array(idobj, NPY_INT32, 1, "embed ids")) == NULL) goto done;
+    res = run_embed(c, &wa, ids);
+done:
+    Py_XDECREF(ids);
+    weight_arg_release(&wa);
+    return res;
+}
+
+static PyObject *kernel_dequantize(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *wobj;
+    weight_arg wa;
+    PyArrayObject *ids = NULL;
+    PyObject *res = NULL;
+    cached_backend *c;
+    npy_intp n;
+    if (!PyArg_ParseTuple(args, "sO", &device, &wobj)) return NULL;
+    if (weight_arg_parse(wobj, &wa) < 0) return NULL;
+    if ((c = get_backend(device)) == NULL) goto done;
+    if (wa.w.rows > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "dequantize: too many rows");
+        goto done;
+    }
+    n = (npy_intp)wa.w.rows;
+    if ((ids = new_array(NPY_INT32, 1, &n)) == NULL) goto done;
+    for (npy_intp i = 0; i < n; i++) ((int32_t *)PyArray_DATA(ids))[i] = (int32_t)i;
+    res = run_embed(c, &wa, ids);
+done:
+    Py_XDECREF(ids);
+    weight_arg_release(&wa);
+    return res;
+}
+
+static int op_matmul(qc_backend *be, kernel_job *j) {
+    /* inputs: x, then the bias when there is one */
+    const float *bias = j->n_in > 1 ? (const float *)j->d_in[1] : NULL;
+    return be->ops->matmul(be, j->w, bias, (const float *)j->d_in[0], j->i0, (float *)j->d_out[0]);
+}
+
+static PyObject *kernel_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *wobj, *xobj, *bobj = Py_None;
+    weight_arg wa;
+    PyArrayObject *x = NULL, *bias = NULL, *out = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    npy_intp shape[2];
+    if (!PyArg_ParseTuple(args, "sOO|O", &device, &wobj, &xobj, &bobj)) return NULL;
+    if (weight_arg_parse(wobj, &wa) < 0) return NULL;
+    if ((c = get_backend(device)) == NULL) goto fail;
+    if ((x = as_array(xobj, NPY_FLOAT32, 2, "matmul x")) == NULL) goto fail;
+    if (PyArray_DIM(x, 1) != wa.w.cols) {
+        PyErr_Format(PyExc_ValueError, "matmul: x has %zd columns, the weight (%lld, %lld) needs %lld",
+                     (Py_ssize_t)PyArray_DIM(x, 1), (long long)wa.w.rows, (long long)wa.w.cols, (long long)wa.w.cols);
+        goto fail;
+    }
+    if (PyArray_DIM(x, 0) > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "matmul: too many rows in x");
+        goto fail;
+    }
+    if (bobj != Py_None) {
+        if ((bias = as_array(bobj, NPY_FLOAT32, 1, "matmul bias")) == NULL) goto fail;
+        if (PyArray_DIM(bias, 0) != wa.w.rows) {
+            PyErr_Format(PyExc_ValueError, "matmul: bias has %zd values, the weight has %lld rows",
+                         (Py_ssize_t)PyArray_DIM(bias, 0), (long long)wa.w.rows);
+            goto fail;
+        }
+    }
+    shape[0] = PyArray_DIM(x, 0);
+    shape[1] = (npy_intp)wa.w.rows;
+    if ((out = new_array(NPY_FLOAT32, 2, shape)) == NULL) goto fail;
+    j.op = op_matmul;
+    j.w = &wa.w;
+    j.i0 = (int)shape[0];
+    j.empty = shape[0] == 0;
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    if (bias) job_in(&j, PyArray_DATA(bias), nbytes_of(bias));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), -1);
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(x);
+    Py_XDECREF(bias);
+    weight_arg_release(&wa);
+    return (PyObject *)out;
+fail:
+    Py_XDECREF(x);
+    Py_XDECREF(bias);
+    Py_XDECREF(out);
+    weight_arg_release(&wa);
+    return NULL;
+}
+
+static int op_rmsnorm(qc_backend *be, kernel_job *j) {
+    return be->ops->rmsnorm(be, (const float *)j->d_in[0], (const float *)j->d_in[1], j->i0, j->i1, j->f0,
+                            (float *)j->d_out[0]);
+}
+
+static PyObject *kernel_rmsnorm(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *xobj, *wobj;
+    float eps;
+    PyArrayObject *x = NULL, *w = NULL, *out = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    if (!PyArg_ParseTuple(args, "sOOf", &device, &xobj, &wobj, &eps)) return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    if ((x = as_array(xobj, NPY_FLOAT32, 2, "rmsnorm x")) == NULL ||
+        (w = as_array(wobj, NPY_FLOAT32, 1, "rmsnorm weight")) == NULL)
+        goto fail;
+    if (PyArray_DIM(w, 0) != PyArray_DIM(x, 1)) {
+        PyErr_Format(PyExc_ValueError, "rmsnorm: x rows have %zd values, the weight %zd",
+                     (Py_ssize_t)PyArray_DIM(x, 1), (Py_ssize_t)PyArray_DIM(w, 0));
+        goto fail;
+    }
+    if (PyArray_DIM(x, 0) > INT32_MAX || PyArray_DIM(x, 1) > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "rmsnorm: x is too large");
+        goto fail;
+    }
+    if ((out = new_array(NPY_FLOAT32, 2, PyArray_DIMS(x))) == NULL) goto fail;
+    j.op = op_rmsnorm;
+    j.i0 = (int)PyArray_DIM(x, 0);
+    j.i1 = (int)PyArray_DIM(x, 1);
+    j.f0 = eps;
+    j.empty = PyArray_SIZE(x) == 0;
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    job_in(&j, PyArray_DATA(w), nbytes_of(w));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), -1);
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(x);
+    Py_DECREF(w);
+    return (PyObject *)out;
+fail:
+    Py_XDECREF(x);
+    Py_XDECREF(w);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static int op_rope(qc_backend *be, kernel_job *j) {
+    return be->ops->rope(be, (float *)j->d_in[0], (const int32_t *)j->d_in[1], j->i0, j->i1, j->i2, j->f0);
+}
+
+static PyObject *kernel_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *xobj, *pobj;
+    float theta;
+    PyArrayObject *x = NULL, *pos = NULL, *out = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    if (!PyArg_ParseTuple(args, "sOOf", &device, &xobj, &pobj, &theta)) return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    if ((x = as_array(xobj, NPY_FLOAT32, 3, "rope x (tokens, heads, head_dim)")) == NULL ||
+        (pos = as_array(pobj, NPY_INT32, 1, "rope positions")) == NULL)
+        goto fail;
+    if (PyArray_DIM(pos, 0) != PyArray_DIM(x, 0)) {
+        PyErr_Format(PyExc_ValueError, "rope: %zd positions for %zd tokens", (Py_ssize_t)PyArray_DIM(pos, 0),
+                     (Py_ssize_t)PyArray_DIM(x, 0));
+        goto fail;
+    }
+    if (PyArray_DIM(x, 2) % 2 != 0) {
+        PyErr_Format(PyExc_ValueError, "rope: head_dim %zd must be even", (Py_ssize_t)PyArray_DIM(x, 2));
+        goto fail;
+    }
+    if (PyArray_DIM(x, 0) > INT32_MAX || PyArray_DIM(x, 1) > INT32_MAX || PyArray_DIM(x, 2) > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "rope: x is too large");
+        goto fail;
+    }
+    if ((out = new_array(NPY_FLOAT32, 3, PyArray_DIMS(x))) == NULL) goto fail;
+    j.op = op_rope;
+    j.i0 = (int)PyArray_DIM(x, 0);
+    j.i1 = (int)PyArray_DIM(x, 1);
+    j.i2 = (int)PyArray_DIM(x, 2);
+    j.f0 = theta;
+    j.empty = PyArray_SIZE(x) == 0;
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    job_in(&j, PyArray_DATA(pos), nbytes_of(pos));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), 0);   /* in place on x's buffer */
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(x);
+    Py_DECREF(pos);
+    return (PyObject *)out;
+fail:
+    Py_XDECREF(x);
+    Py_XDECREF(pos);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* positions must index rows [0, limit) */
+static int check_positions(PyArrayObject *pos, npy_intp limit, const char *what) {
+    const int32_t *p = (const int32_t *)PyArray_DATA(pos);
+    for (npy_intp i = 0; i < PyArray_SIZE(pos); i++)
+        if (p[i] < 0 || p[i] >= limit) {
+            PyErr_Format(PyExc_ValueError, "%s: position %d at index %zd is out of range [0, %zd)", what,
+                         (int)p[i], (Py_ssize_t)i, (Py_ssize_t)limit);
+            return -1;
+        }
+    return 0;
+}
+
+static int op_kv_store(qc_backend *be, kernel_job *j) {
+    if (j->i0 == 0 || j->i1 == 0) return 0;
+    return be->ops->kv_store(be, (const float *)j->d_in[0], (const float *)j->d_in[1], (const int32_t *)j->d_in[2],
+                             j->i0, j->i1, (float *)j->d_in[3], (float *)j->d_in[4]);
+}
+
+static PyObject *kernel_kv_store(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *kobj, *vobj, *pobj, *kcobj, *vcobj;
+    PyArrayObject *k = NULL, *v = NULL, *pos = NULL, *kc = NULL, *vc = NULL, *kc_out = NULL, *vc_out = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    if (!PyArg_ParseTuple(args, "sOOOOO", &device, &kobj, &vobj, &pobj, &kcobj, &vcobj)) return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    if ((k = as_array(kobj, NPY_FLOAT32, 2, "kv_store k")) == NULL ||
+        (v = as_array(vobj, NPY_FLOAT32, 2, "kv_store v")) == NULL ||
+        (pos = as_array(pobj, NPY_INT32, 1, "kv_store positions")) == NULL ||
+        (kc = as_array(kcobj, NPY_FLOAT32, 2, "kv_store k_cache")) == NULL ||
+        (vc = as_array(vcobj, NPY_FLOAT32, 2, "kv_store v_cache")) == NULL)
+        goto fail;
+    if (!PyArray_SAMESHAPE(k, v) || !PyArray_SAMESHAPE(kc, vc) || PyArray_DIM(k, 1) != PyArray_DIM(kc, 1) ||
+        PyArray_DIM(pos, 0) != PyArray_DIM(k, 0)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "kv_store: k and v must be (n, kv_dim), the caches (max_ctx, kv_dim), positions (n,)");
+        goto fail;
+    }
+    if (check_positions(pos, PyArray_DIM(kc, 0), "kv_store") < 0) goto fail;
+    if (PyArray_DIM(k, 0) > INT32_MAX || PyArray_DIM(k, 1) > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "kv_store: k is too large");
+        goto fail;
+    }
+    if ((kc_out = new_array(NPY_FLOAT32, 2, PyArray_DIMS(kc))) == NULL ||
+        (vc_out = new_array(NPY_FLOAT32, 2, PyArray_DIMS(vc))) == NULL)
+        goto fail;
+    j.op = op_kv_store;
+    j.i0 = (int)PyArray_DIM(k, 0);
+    j.i1 = (int)PyArray_DIM(k, 1);
+    j.empty = PyArray_SIZE(kc) == 0;
+    job_in(&j, PyArray_DATA(k), nbytes_of(k));
+    job_in(&j, PyArray_DATA(v), nbytes_of(v));
+    job_in(&j, PyArray_DATA(pos), nbytes_of(pos));
+    job_in(&j, PyArray_DATA(kc), nbytes_of(kc));
+    job_in(&j, PyArray_DATA(vc), nbytes_of(vc));
+    job_out(&j, PyArray_DATA(kc_out), nbytes_of(kc_out), 3);
+    job_out(&j, PyArray_DATA(vc_out), nbytes_of(vc_out), 4);
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(k);
+    Py_DECREF(v);
+    Py_DECREF(pos);
+    Py_DECREF(kc);
+    Py_DECREF(vc);
+    return Py_BuildValue("(NN)", kc_out, vc_out);
+fail:
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    Py_XDECREF(pos);
+    Py_XDECREF(kc);
+    Py_XDECREF(vc);
+    Py_XDECREF(kc_out);
+    Py_XDECREF(vc_out);
+    return NULL;
+}
+
+static int op_attention(qc_backend *be, kernel_job *j) {
+    /* i0 n, i1 n_kv, i2 n_head, i3 n_head_kv, i4 head_dim; outputs out[, scores, probs] */
+    float *scores = j->n_out > 1 ? (float *)j->d_out[1] : NULL;
+    float *probs = j->n_out > 2 ? (float *)j->d_out[2] : NULL;
+    return be->ops->attention(be, (const float *)j->d_in[0], (const float *)j->d_in[1], (const float *)j->d_in[2],
+                              (const int32_t *)j->d_in[3], j->i0, j->i1, j->i2, j->i3, j->i4,
+                              (float *)j->d_out[0], scores, probs);
+}
+
+static PyObject *kernel_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *qobj, *kcobj, *vcobj, *pobj;
+    int n_kv, n_head_kv, want_scores;
+    PyArrayObject *q = NULL, *kc = NULL, *vc = NULL, *pos = NULL, *out = NULL, *scores = NULL, *probs = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    npy_intp n, n_head, hd;
+    if (!PyArg_ParseTuple(args, "sOOOOiip", &device, &qobj, &kcobj, &vcobj, &pobj, &n_kv, &n_head_kv, &want_scores))
+        return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    if ((q = as_array(qobj, NPY_FLOAT32, 3, "attention q (tokens, n_head, head_dim)")) == NULL ||
+        (kc = as_array(kcobj, NPY_FLOAT32, 2, "attention k_cache (max_ctx, n_head_kv * head_dim)")) == NULL ||
+        (vc = as_array(vcobj, NPY_FLOAT32, 2, "attention v_cache")) == NULL ||
+        (pos = as_array(pobj, NPY_INT32, 1, "attention positions")) == NULL)
+        goto fail;
+    n = PyArray_DIM(q, 0);
+    n_head = PyArray_DIM(q, 1);
+    hd = PyArray_DIM(q, 2);
+    if (n_head_kv < 1 || n_head < 1 || n_head % n_head_kv != 0) {
+        PyErr_Format(PyExc_ValueError, "attention: n_head %zd is not a multiple of n_head_kv %d", (Py_ssize_t)n_head,
+                     n_head_kv);
+        goto fail;
+    }
+    if (!PyArray_SAMESHAPE(kc, vc) || PyArray_DIM(kc, 1) != n_head_kv * hd) {
+        PyErr_Format(PyExc_ValueError, "attention: the caches must both be (max_ctx, %zd) for %d KV heads of %zd",
+                     (Py_ssize_t)(n_head_kv * hd), n_head_kv, (Py_ssize_t)hd);
+        goto fail;
+    }
+    if (PyArray_DIM(pos, 0) != n) {
+        PyErr_Format(PyExc_ValueError, "attention: %zd positions for %zd queries", (Py_ssize_t)PyArray_DIM(pos, 0),
+                     (Py_ssize_t)n);
+        goto fail;
+    }
+    if (n_kv < 1 || n_kv > PyArray_DIM(kc, 0)) {
+        PyErr_Format(PyExc_ValueError, "attention: n_kv %d is not in [1, max_ctx = %zd]", n_kv,
+                     (Py_ssize_t)PyArray_DIM(kc, 0));
+        goto fail;
+    }
+    if (check_positions(pos, n_kv, "attention (positions must be < n_kv)") < 0) goto fail;
+    if (n > INT32_MAX || n_head > INT32_MAX || hd < 1 || hd > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "attention: bad q shape");
+        goto fail;
+    }
+    {
+        npy_intp oshape[2] = {n, n_head * hd}, sshape[3] = {n_head, n, n_kv};
+        if ((out = new_array(NPY_FLOAT32, 2, oshape)) == NULL) goto fail;
+        if (want_scores && ((scores = new_array(NPY_FLOAT32, 3, sshape)) == NULL ||
+                            (probs = new_array(NPY_FLOAT32, 3, sshape)) == NULL))
+            goto fail;
+    }
+    j.op = op_attention;
+    j.i0 = (int)n;
+    j.i1 = n_kv;
+    j.i2 = (int)n_head;
+    j.i3 = n_head_kv;
+    j.i4 = (int)hd;
+    j.empty = n == 0;
+    job_in(&j, PyArray_DATA(q), nbytes_of(q));
+    job_in(&j, PyArray_DATA(kc), nbytes_of(kc));
+    job_in(&j, PyArray_DATA(vc), nbytes_of(vc));
+    job_in(&j, PyArray_DATA(pos), nbytes_of(pos));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), -1);
+    if (scores) {
+        job_out(&j, PyArray_DATA(scores), nbytes_of(scores), -1);
+        job_out(&j, PyArray_DATA(probs), nbytes_of(probs), -1);
+    }
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(q);
+    Py_DECREF(kc);
+    Py_DECREF(vc);
+    Py_DECREF(pos);
+    if (scores) return Py_BuildValue("(NNN)", out, scores, probs);
+    return Py_BuildValue("(NOO)", out, Py_None, Py_None);
+fail:
+    Py_XDECREF(q);
+    Py_XDECREF(kc);
+    Py_XDECREF(vc);
+    Py_XDECREF(pos);
+    Py_XDECREF(out);
+    Py_XDECREF(scores);
+    Py_XDECREF(probs);
+    return NULL;
+}
+
+static int op_swiglu(qc_backend *be, kernel_job *j) {
+    return be->ops->swiglu(be, (const float *)j->d_in[0], (const float *)j->d_in[1], j->count, (float *)j->d_out[0]);
+}
+
+static int op_add(qc_backend *be, kernel_job *j) {
+    return be->ops->add(be, (const float *)j->d_in[0], (const float *)j->d_in[1], j->count, (float *)j->d_out[0]);
+}
+
+/* swiglu and add: elementwise over two float32 arrays of one shape */
+static PyObject *binary_op(PyObject *args, job_op op, const char *name) {
+    const char *device;
+    PyObject *aobj, *bobj;
+    PyArrayObject *a = NULL, *b = NULL, *out = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    if (!PyArg_ParseTuple(args, "sOO", &device, &aobj, &bobj)) return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    if ((a = as_array(aobj, NPY_FLOAT32, -1, name)) == NULL || (b = as_array(bobj, NPY_FLOAT32, -1, name)) == NULL)
+        goto fail;
+    if (!PyArray_SAMESHAPE(a, b)) {
+        PyErr_Format(PyExc_ValueError, "%s: the two inputs must have the same shape", name);
+        goto fail;
+    }
+    if ((out = new_array(NPY_FLOAT32, PyArray_NDIM(a), PyArray_DIMS(a))) == NULL) goto fail;
+    j.op = op;
+    j.count = (int64_t)PyArray_SIZE(a);
+    j.empty = j.count == 0;
+    job_in(&j, PyArray_DATA(a), nbytes_of(a));
+    job_in(&j, PyArray_DATA(b), nbytes_of(b));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), -1);
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return (PyObject *)out;
+fail:
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyObject *kernel_swiglu(PyObject *self, PyObject *args) {
+    (void)self;
+    return binary_op(args, op_swiglu, "swiglu");
+}
+
+static PyObject *kernel_add(PyObject *self, PyObject *args) {
+    (void)self;
+    return binary_op(args, op_add, "add");
+}
+
+static int op_argmax(qc_backend *be, kernel_job *j) {
+    return be->ops->argmax(be, (const float *)j->d_in[0], j->i0, j->count, (int32_t *)j->d_out[0]);
+}
+
+static PyObject *kernel_argmax(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *xobj;
+    PyArrayObject *x = NULL, *out = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    npy_intp n;
+    if (!PyArg_ParseTuple(args, "sO", &device, &xobj)) return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    if ((x = as_array(xobj, NPY_FLOAT32, 2, "argmax x (rows, cols)")) == NULL) goto fail;
+    if (PyArray_DIM(x, 0) > INT32_MAX || PyArray_DIM(x, 1) > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "argmax: x is too large");
+        goto fail;
+    }
+    if (PyArray_DIM(x, 1) < 1 && PyArray_DIM(x, 0) > 0) {
+        PyErr_SetString(PyExc_ValueError, "argmax: rows are empty");
+        goto fail;
+    }
+    n = PyArray_DIM(x, 0);
+    if ((out = new_array(NPY_INT32, 1, &n)) == NULL) goto fail;
+    j.op = op_argmax;
+    j.i0 = (int)n;
+    j.count = (int64_t)PyArray_DIM(x, 1);
+    j.empty = n == 0;
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), -1);
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(x);
+    return (PyObject *)out;
+fail:
+    Py_XDECREF(x);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* i1 timed calls after 3 untimed ones, between two synchronizations */
+static int op_time_matmul(qc_backend *be, kernel_job *j) {
+    for (int i = 0; i < 3; i++)
+        if (op_matmul(be, j) < 0) return -1;
+    if (be->ops->synchronize(be) < 0) return -1;
+    const double t0 = now_seconds();
+    for (int i = 0; i < j->i1; i++)
+        if (op_matmul(be, j) < 0) return -1;
+    if (be->ops->synchronize(be) < 0) return -1;
+    j->seconds = (now_seconds() - t0) / j->i1;
+    return 0;
+}
+
+/* kernel_time_matmul(device, weight, x, iters) -> seconds per matmul call: the shipped op timed
+ * on the backend with no Python in between (weights and x already on the device). */
+static PyObject *kernel_time_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *wobj, *xobj;
+    int iters;
+    weight_arg wa;
+    PyArrayObject *x = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "sOOi", &device, &wobj, &xobj, &iters)) return NULL;
+    if (weight_arg_parse(wobj, &wa) < 0) return NULL;
+    if ((c = get_backend(device)) == NULL) goto done;
+    if ((x = as_array(xobj, NPY_FLOAT32, 2, "time_matmul x")) == NULL) goto done;
+    if (PyArray_DIM(x, 1) != wa.w.cols || PyArray_DIM(x, 0) < 1 || PyArray_DIM(x, 0) > INT32_MAX || iters < 1) {
+        PyErr_SetString(PyExc_ValueError, "time_matmul: x must be (n >= 1, cols) and iters >= 1");
+        goto done;
+    }
+    j.op = op_time_matmul;
+    j.w = &wa.w;
+    j.i0 = (int)PyArray_DIM(x, 0);
+    j.i1 = iters;
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    job_out(&j, NULL, (size_t)j.i0 * (size_t)wa.w.rows * sizeof(float), -1);
+    if (run_job(c, &j) < 0) goto done;
+    res = PyFloat_FromDouble(j.seconds);
+done:
+    Py_XDECREF(x);
+    weight_arg_release(&wa);
+    return res;
+}
+
+/* Destroy the cached backends (all, or the one of `device`): frees their GPU stream, cuBLAS
+ * handle and scratch. The next kernel call creates a fresh one. */
+static PyObject *kernel_release(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device = NULL;
+    char name[32] = "";
+    if (!PyArg_ParseTuple(args, "|z", &device)) return NULL;
+    if (device) normalize_device(device, name, sizeof name);
+    for (int i = 0; i < QC_MAX_KERNEL_BACKENDS; i++) {
+        cached_backend *c = &g_backends[i];
+        if (c->lock == NULL || c->be == NULL || (device && strcmp(c->name, name) != 0)) continue;
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(c->lock, WAIT_LOCK);
+        qc_backend_destroy(c->be);
+        c->be = NULL;
+        PyThread_release_lock(c->lock);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+/* cuda_mem_info(device=0) -> (free_bytes, total_bytes) of a CUDA device (cudaMemGetInfo). */
+static PyObject *cuda_mem_info(PyObject *self, PyObject *args) {
+    (void)self;
+    int device = 0;
+    if (!PyArg_ParseTuple(args, "|i", &device)) return NULL;
+#ifdef QC_HAVE_CUDA
+    size_t free_b = 0, total_b = 0;
+    qc_error err = {0};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = qc_cuda_mem_info(device, &free_b, &total_b, &err);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return qc_py_raise(&err);
+    return Py_BuildValue("(KK)", (unsigned long long)free_b, (unsigned long long)total_b);
+#else
+    qc_error err;
+    qc_fail(&err, QC_ERR_CUDA, "cuda_mem_info: this qwencuda was built without CUDA");
+    return qc_py_raise(&err);
+#endif
+}
+
+static PyMethodDef kernel_methods[] = {
+    {"kernel_embed", kernel_embed, METH_VARARGS,
+     "kernel_embed(device, (raw, type, rows, cols), ids int32 (n,)) -> float32 (n, cols)"},
+    {"kernel_dequantize", kernel_dequantize, METH_VARARGS,
+     "kernel_dequantize(device, (raw, type, rows, cols)) -> float32 (rows, cols), through the embed op"},
+    {"kernel_matmul", kernel_matmul, METH_VARARGS,
+     "kernel_matmul(device, (raw, type, rows, cols), x float32 (n, cols), bias=None) -> float32 (n, rows)"},
+    {"kernel_rmsnorm", kernel_rmsnorm, METH_VARARGS,
+     "kernel_rmsnorm(device, x float32 (n, dim), w float32 (dim,), eps) -> float32 (n, dim)"},
+    {"kernel_rope", kernel_rope, METH_VARARGS,
+     "kernel_rope(device, x float32 (n, heads, head_dim), pos int32 (n,), theta) -> rotated copy of x"},
+    {"kernel_kv_store", kernel_kv_store, METH_VARARGS,
+     "kernel_kv_store(device, k, v (n, kv_dim), pos (n,), k_cache, v_cache (max_ctx, kv_dim)) -> (k_cache, v_cache) updated copies"},
+    {"kernel_attention", kernel_attention, METH_VARARGS,
+     "kernel_attention(device, q (n, n_head, hd), k_cache, v_cache (max_ctx, n_head_kv*hd), pos (n,), n_kv, "
+     "n_head_kv, want_scores) -> (out (n, n_head*hd), scores, probs (n_head, n, n_kv) or None)"},
+    {"kernel_swiglu", kernel_swiglu, METH_VARARGS, "kernel_swiglu(device, gate, up) -> silu(gate) * up"},
+    {"kernel_add", kernel_add, METH_VARARGS, "kernel_add(device, a, b) -> a + b"},
+    {"kernel_argmax", kernel_argmax, METH_VARARGS, "kernel_argmax(device, x float32 (n, cols)) -> int32 (n,)"},
+    {"kernel_time_matmul", kernel_time_matmul, METH_VARARGS,
+     "kernel_time_matmul(device, (raw, type, rows, cols), x (n, cols), iters) -> seconds per matmul call"},
+    {"kernel_release", kernel_release, METH_VARARGS,
+     "kernel_release(device=None): destroy the cached kernel backend(s)"},
+    {"cuda_mem_info", cuda_mem_info, METH_VARARGS,
+     "cuda_mem_info(device=0) -> (free_bytes, total_bytes) of a CUDA device"},
+    {NULL, NULL, 0, NULL},
+};
+
+int qc_py_add_kernels(PyObject *m) {
+    return PyModule_AddFunctions(m, kernel_methods);
 }

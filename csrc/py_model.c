@@ -1,7 +1,569 @@
-/* py_model.c: transitional scaffold; the owner replaces it. */
+/* py_model.c: qwencuda._core.Model and qwencuda._core.Session, the low-level objects under
+ * qwencuda.model (which adds the documented API: Config, Trace, capture validation).
+ *
+ * Threads: forward passes run with the GIL released. A model's backend serves one caller at a
+ * time, so every C call that touches it (load, session create/free, eval, close) holds the
+ * model's lock. That lock is never held while waiting for the GIL, so the two cannot deadlock.
+ * A model or session in use by another thread cannot be closed (RuntimeError).
+ */
 #include "py_common.h"
 
-int qc_py_add_model(PyObject *m) {
-    (void)m;
+#include <pythread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+#include "quants.h"
+#include "session.h"
+
+typedef struct SessionObject SessionObject;
+
+typedef struct {
+    PyObject_HEAD
+    qc_model *m;                  /* NULL once closed */
+    PyThread_type_lock lock;      /* one caller of the backend at a time */
+    int busy;                     /* evals in flight on any of its sessions */
+    SessionObject *sessions;      /* open sessions (no references: each unlinks itself) */
+    PyObject *path;               /* str */
+    PyObject *device;             /* str: "cpu", "cuda", "cuda:N" */
+} ModelObject;
+
+struct SessionObject {
+    PyObject_HEAD
+    ModelObject *model;           /* strong reference */
+    qc_session *s;                /* NULL once closed */
+    int busy;                     /* evals in flight */
+    SessionObject *prev, *next;   /* the model's list of open sessions */
+};
+
+static PyTypeObject *Session_type = NULL;
+
+/* Take the model's lock, letting other Python threads run while waiting for it. */
+static void model_lock(ModelObject *mo) {
+    if (!PyThread_acquire_lock(mo->lock, NOWAIT_LOCK)) {
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(mo->lock, WAIT_LOCK);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+static void model_unlock(ModelObject *mo) { PyThread_release_lock(mo->lock); }
+
+/* ---------------------------------------------------------------------------------------- */
+/* Session */
+
+static void session_unlink(SessionObject *so) {
+    ModelObject *mo = so->model;
+    if (so->prev) so->prev->next = so->next;
+    else if (mo->sessions == so) mo->sessions = so->next;
+    if (so->next) so->next->prev = so->prev;
+    so->prev = so->next = NULL;
+}
+
+/* Free the C session; the caller holds the model lock. */
+static void session_release(SessionObject *so) {
+    if (so->s == NULL) return;
+    qc_session_free(so->s);
+    so->s = NULL;
+    session_unlink(so);
+}
+
+static int session_usable(SessionObject *so) {
+    if (so->s == NULL) {
+        PyErr_SetString(PyExc_ValueError,
+                        so->model->m ? "the session is closed" : "the session's model is closed");
+        return 0;
+    }
+    return 1;
+}
+
+static void Session_dealloc(SessionObject *so) {
+    PyTypeObject *tp = Py_TYPE(so);
+    if (so->model) {
+        if (so->s) {
+            model_lock(so->model);
+            session_release(so);
+            model_unlock(so->model);
+        }
+        Py_DECREF(so->model);
+    }
+    tp->tp_free((PyObject *)so);
+    Py_DECREF(tp);
+}
+
+static void free_capsule(PyObject *cap) {
+    free(PyCapsule_GetPointer(cap, "qwencuda.capture"));
+}
+
+/* A NumPy array that owns t->data (through a capsule base); t->data becomes NULL. */
+static PyObject *capture_array(qc_tensor_out *t) {
+    npy_intp dims[3] = {(npy_intp)t->shape[0], (npy_intp)t->shape[1], (npy_intp)t->shape[2]};
+    int type = t->dtype == QC_DTYPE_I32 ? NPY_INT32 : NPY_FLOAT32;
+    PyObject *cap = PyCapsule_New(t->data, "qwencuda.capture", free_capsule);
+    if (cap == NULL) return NULL;
+    t->data = NULL;   /* the capsule frees it from now on */
+    PyObject *arr = PyArray_SimpleNewFromData(t->ndim, dims, type, PyCapsule_GetPointer(cap, "qwencuda.capture"));
+    if (arr == NULL) {
+        Py_DECREF(cap);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, cap) < 0) {   /* steals cap, even on failure */
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+/* ids: a 1-D sequence of ints -> malloc'd int32, each checked against n_vocab. */
+static int32_t *ids_from(PyObject *obj, int64_t n_vocab, int position, int *n_out) {
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(obj, NPY_INT64, 0, 1, NPY_ARRAY_IN_ARRAY);
+    int32_t *ids = NULL;
+    if (a == NULL) return NULL;
+    npy_intp n = PyArray_SIZE(a);
+    const int64_t *v = (const int64_t *)PyArray_DATA(a);
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "ids is empty: give at least one token id");
+        goto done;
+    }
+    if (n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "too many ids");
+        goto done;
+    }
+    for (npy_intp i = 0; i < n; i++) {
+        if (v[i] < 0 || v[i] >= n_vocab) {
+            PyErr_Format(PyExc_ValueError, "token id %lld at ids[%lld] (position %lld) is out of range [0, %lld)",
+                         (long long)v[i], (long long)i, (long long)position + (long long)i, (long long)n_vocab);
+            goto done;
+        }
+    }
+    ids = malloc((size_t)n * sizeof *ids);
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (npy_intp i = 0; i < n; i++) ids[i] = (int32_t)v[i];
+    *n_out = (int)n;
+done:
+    Py_DECREF(a);
+    return ids;
+}
+
+/* capture: None or a sequence of str -> malloc'd array of UTF-8 pointers into `seq` (kept alive
+ * by the caller). */
+static int patterns_from(PyObject *capture, PyObject **seq, const char ***pats, int *n) {
+    *seq = NULL;
+    *pats = NULL;
+    *n = 0;
+    if (capture == Py_None) return 0;
+    if (PyUnicode_Check(capture)) {
+        *seq = PyTuple_Pack(1, capture);
+    } else {
+        *seq = PySequence_Fast(capture, "capture must be None, a str or a sequence of str");
+    }
+    if (*seq == NULL) return -1;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(*seq);
+    *pats = malloc((size_t)(k ? k : 1) * sizeof **pats);
+    if (*pats == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(*seq, i);
+        if (!PyUnicode_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "capture patterns must be str, got %s", Py_TYPE(item)->tp_name);
+            return -1;
+        }
+        if (((*pats)[i] = PyUnicode_AsUTF8(item)) == NULL) return -1;
+    }
+    *n = (int)k;
     return 0;
+}
+
+/* eval(ids, logits="last", capture=None) -> (start, logits | None, argmax | None, {name: array})
+ * logits: "all" (a row per token), "last" (one row) or None (no lm_head at all). */
+static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "logits", "capture", NULL};
+    PyObject *ids_obj = NULL, *logits_obj = Py_None, *capture = Py_None;
+    PyObject *seq = NULL, *logits = NULL, *argmax = NULL, *tensors = NULL, *result = NULL;
+    const char **pats = NULL;
+    int32_t *ids = NULL;
+    int n = 0, n_pats = 0, all_logits = 0, want_logits = 1, rc, start;
+    qc_capture cap = {0};
+    qc_error err = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO:eval", kwlist, &ids_obj, &logits_obj, &capture))
+        return NULL;
+    if (!session_usable(so)) return NULL;
+    const qc_config *cfg = &so->model->m->cfg;
+    if (logits_obj == Py_None) {
+        want_logits = 0;
+    } else if (PyUnicode_Check(logits_obj) && PyUnicode_CompareWithASCIIString(logits_obj, "all") == 0) {
+        all_logits = 1;
+    } else if (!(PyUnicode_Check(logits_obj) && PyUnicode_CompareWithASCIIString(logits_obj, "last") == 0)) {
+        PyErr_Format(PyExc_ValueError, "logits must be 'all', 'last' or None, got %R", logits_obj);
+        return NULL;
+    }
+    start = qc_session_position(so->s);
+    if ((ids = ids_from(ids_obj, cfg->n_vocab, start, &n)) == NULL) goto fail;
+    if (patterns_from(capture, &seq, &pats, &n_pats) < 0) goto fail;
+    if (want_logits) {
+        npy_intp ldims[2] = {all_logits ? n : 1, (npy_intp)cfg->n_vocab};
+        logits = PyArray_SimpleNew(2, ldims, NPY_FLOAT32);
+        argmax = PyArray_SimpleNew(1, ldims, NPY_INT32);
+        if (logits == NULL || argmax == NULL) goto fail;
+    }
+    qc_capture_spec spec = {pats, n_pats};
+    float *lp = logits ? (float *)PyArray_DATA((PyArrayObject *)logits) : NULL;
+    int32_t *ap = argmax ? (int32_t *)PyArray_DATA((PyArrayObject *)argmax) : NULL;
+    ModelObject *mo = so->model;
+    qc_session *s = so->s;
+    so->busy++;
+    mo->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(mo->lock, WAIT_LOCK);
+    start = qc_session_position(s);   /* under the lock: another thread may have advanced it */
+    rc = qc_session_eval(s, ids, n, all_logits, n_pats ? &spec : NULL, n_pats ? &cap : NULL, lp, ap, &err);
+    PyThread_release_lock(mo->lock);
+    Py_END_ALLOW_THREADS
+    so->busy--;
+    mo->busy--;
+    if (rc < 0) {
+        qc_py_raise(&err);
+        goto fail;
+    }
+    if ((tensors = PyDict_New()) == NULL) goto fail;
+    for (int i = 0; i < cap.n; i++) {
+        PyObject *arr = capture_array(&cap.items[i]);
+        if (arr == NULL) goto fail;
+        rc = PyDict_SetItemString(tensors, cap.items[i].name, arr);
+        Py_DECREF(arr);
+        if (rc < 0) goto fail;
+    }
+    result = Py_BuildValue("(iOOO)", start, logits ? logits : Py_None, argmax ? argmax : Py_None, tensors);
+fail:
+    qc_capture_free(&cap);
+    free(ids);
+    free(pats);
+    Py_XDECREF(seq);
+    Py_XDECREF(logits);
+    Py_XDECREF(argmax);
+    Py_XDECREF(tensors);
+    return result;
+}
+
+static PyObject *Session_reset(SessionObject *so, PyObject *noargs) {
+    (void)noargs;
+    if (!session_usable(so)) return NULL;
+    qc_session_reset(so->s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_rewind(SessionObject *so, PyObject *arg) {
+    qc_error err = {0};
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (!session_usable(so)) return NULL;
+    if (n < 0 || n > qc_session_position(so->s)) {
+        PyErr_Format(PyExc_ValueError, "cannot rewind %ld tokens at position %d (0 <= n <= position)",
+                     n, qc_session_position(so->s));
+        return NULL;
+    }
+    if (qc_session_rewind(so->s, (int)n, &err) < 0) return qc_py_raise(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_close(SessionObject *so, PyObject *noargs) {
+    (void)noargs;
+    if (so->s == NULL) Py_RETURN_NONE;
+    if (so->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the session is running in another thread");
+        return NULL;
+    }
+    model_lock(so->model);
+    session_release(so);
+    model_unlock(so->model);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_get_position(SessionObject *so, void *closure) {
+    (void)closure;
+    if (!session_usable(so)) return NULL;
+    return PyLong_FromLong(qc_session_position(so->s));
+}
+
+static PyObject *Session_get_max_context(SessionObject *so, void *closure) {
+    (void)closure;
+    if (!session_usable(so)) return NULL;
+    return PyLong_FromLong(qc_session_max_context(so->s));
+}
+
+static PyObject *Session_get_closed(SessionObject *so, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(so->s == NULL);
+}
+
+static PyMethodDef Session_methods[] = {
+    {"eval", (PyCFunction)(void (*)(void))Session_eval, METH_VARARGS | METH_KEYWORDS,
+     "eval(ids, logits='last', capture=None) -> (start, logits, argmax, tensors): run ids at the "
+     "current position and advance it. logits 'all', 'last' or None; capture: glob patterns."},
+    {"reset", (PyCFunction)Session_reset, METH_NOARGS, "reset(): back to position 0."},
+    {"rewind", (PyCFunction)Session_rewind, METH_O, "rewind(n): forget the last n tokens."},
+    {"close", (PyCFunction)Session_close, METH_NOARGS, "close(): free the KV cache."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Session_getset[] = {
+    {"position", (getter)Session_get_position, NULL, "tokens in the cache (the next position)", NULL},
+    {"max_context", (getter)Session_get_max_context, NULL, "positions the KV cache holds", NULL},
+    {"closed", (getter)Session_get_closed, NULL, "whether close() was called", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Session_slots[] = {
+    {Py_tp_dealloc, Session_dealloc},
+    {Py_tp_methods, Session_methods},
+    {Py_tp_getset, Session_getset},
+    {Py_tp_doc, "A KV cache and a position over a Model (made by Model.session)."},
+    {0, NULL},
+};
+
+static PyType_Spec Session_spec = {
+    "qwencuda._core.Session", sizeof(SessionObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    Session_slots,
+};
+
+/* ---------------------------------------------------------------------------------------- */
+/* Model */
+
+static PyObject *Model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"path", "device", "threads", NULL};
+    PyObject *path_obj = NULL, *path_bytes = NULL;
+    const char *device = "cpu";
+    int threads = 0, rc;
+    qc_error err = {0};
+    qc_model *m = NULL;
+    ModelObject *self = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|si:Model", kwlist, &path_obj, &device, &threads))
+        return NULL;
+    if (!PyUnicode_FSConverter(path_obj, &path_bytes)) return NULL;
+    const char *path = PyBytes_AS_STRING(path_bytes);
+    Py_BEGIN_ALLOW_THREADS
+    rc = qc_model_load(path, device, threads, &m, &err);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        Py_DECREF(path_bytes);
+        return qc_py_raise(&err);
+    }
+    self = (ModelObject *)type->tp_alloc(type, 0);
+    if (self == NULL) goto fail;
+    self->m = m;
+    m = NULL;
+    self->lock = PyThread_allocate_lock();
+    if (self->lock == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    self->path = PyUnicode_DecodeFSDefault(path);
+    const qc_backend *be = self->m->be;
+    self->device = be->device ? PyUnicode_FromFormat("%s:%d", be->name, be->device)
+                              : PyUnicode_FromString(be->name);
+    if (self->path == NULL || self->device == NULL) goto fail;
+    Py_DECREF(path_bytes);
+    return (PyObject *)self;
+fail:
+    qc_model_free(m);
+    Py_DECREF(path_bytes);
+    Py_XDECREF(self);
+    return NULL;
+}
+
+/* Free the C model and every session still open on it; the caller holds the lock. */
+static void model_release(ModelObject *mo) {
+    while (mo->sessions) session_release(mo->sessions);
+    qc_model_free(mo->m);
+    mo->m = NULL;
+}
+
+static void Model_dealloc(ModelObject *mo) {
+    PyTypeObject *tp = Py_TYPE(mo);
+    model_release(mo);   /* no thread can be inside: each session holds a reference */
+    if (mo->lock) PyThread_free_lock(mo->lock);
+    Py_XDECREF(mo->path);
+    Py_XDECREF(mo->device);
+    tp->tp_free((PyObject *)mo);
+    Py_DECREF(tp);
+}
+
+static int model_usable(ModelObject *mo) {
+    if (mo->m == NULL) {
+        PyErr_SetString(PyExc_ValueError, "the model is closed");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *Model_close(ModelObject *mo, PyObject *noargs) {
+    (void)noargs;
+    if (mo->m == NULL) Py_RETURN_NONE;
+    if (mo->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the model is running in another thread");
+        return NULL;
+    }
+    model_lock(mo);
+    model_release(mo);
+    model_unlock(mo);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Model_session(ModelObject *mo, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"max_context", NULL};
+    int max_ctx = 0, rc;
+    qc_session *s = NULL;
+    qc_error err = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i:session", kwlist, &max_ctx)) return NULL;
+    if (!model_usable(mo)) return NULL;
+    if (max_ctx < 1) {
+        PyErr_Format(PyExc_ValueError, "max_context must be >= 1, got %d", max_ctx);
+        return NULL;
+    }
+    SessionObject *so = PyObject_New(SessionObject, Session_type);
+    if (so == NULL) return NULL;
+    Py_INCREF(mo);
+    so->model = mo;
+    so->s = NULL;
+    so->busy = 0;
+    so->prev = so->next = NULL;
+    model_lock(mo);
+    rc = qc_session_create(mo->m, max_ctx, &s, &err);
+    if (rc == 0) {
+        so->s = s;
+        so->next = mo->sessions;
+        if (mo->sessions) mo->sessions->prev = so;
+        mo->sessions = so;
+    }
+    model_unlock(mo);
+    if (rc < 0) {
+        Py_DECREF(so);
+        return qc_py_raise(&err);
+    }
+    return (PyObject *)so;
+}
+
+static PyObject *Model_get_config(ModelObject *mo, void *closure) {
+    (void)closure;
+    if (!model_usable(mo)) return NULL;
+    const qc_config *c = &mo->m->cfg;
+    return Py_BuildValue("{s:s,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:d,s:d,s:O}",
+                         "arch", c->arch, "n_vocab", (long long)c->n_vocab, "dim", (long long)c->dim,
+                         "n_layer", (long long)c->n_layer, "n_head", (long long)c->n_head,
+                         "n_head_kv", (long long)c->n_head_kv, "head_dim", (long long)c->head_dim,
+                         "ffn_dim", (long long)c->ffn_dim, "n_ctx_train", (long long)c->n_ctx_train,
+                         "rope_theta", (double)c->rope_theta, "norm_eps", (double)c->norm_eps,
+                         "tied", c->tied ? Py_True : Py_False);
+}
+
+static int add_type(PyObject *d, const char *name, uint32_t type) {
+    const qc_type_traits *tr = qc_type_get(type);
+    PyObject *v = PyUnicode_FromString(tr && tr->name ? tr->name : "?");
+    if (v == NULL) return -1;
+    int rc = PyDict_SetItemString(d, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* tensor_types() -> {name: type} of the matrices the engine reads (lm_head as "output"). */
+static PyObject *Model_tensor_types(ModelObject *mo, PyObject *noargs) {
+    (void)noargs;
+    if (!model_usable(mo)) return NULL;
+    const qc_model *m = mo->m;
+    char name[96];
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+    if (add_type(d, "token_embd.weight", m->tok_embd.type) < 0 ||
+        add_type(d, m->cfg.tied ? "output (token_embd.weight, tied)" : "output.weight", m->output.type) < 0)
+        goto fail;
+    for (int64_t l = 0; l < m->cfg.n_layer; l++) {
+        const qc_layer *L = &m->layers[l];
+        const struct { const char *suffix; uint32_t type; } w[] = {
+            {"attn_q.weight", L->wq.type}, {"attn_k.weight", L->wk.type},
+            {"attn_v.weight", L->wv.type}, {"attn_output.weight", L->wo.type},
+            {"ffn_gate.weight", L->w_gate.type}, {"ffn_up.weight", L->w_up.type},
+            {"ffn_down.weight", L->w_down.type},
+        };
+        for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) {
+            snprintf(name, sizeof name, "blk.%lld.%s", (long long)l, w[i].suffix);
+            if (add_type(d, name, w[i].type) < 0) goto fail;
+        }
+    }
+    return d;
+fail:
+    Py_DECREF(d);
+    return NULL;
+}
+
+static PyObject *Model_get_path(ModelObject *mo, void *closure) {
+    (void)closure;
+    return Py_NewRef(mo->path);
+}
+
+static PyObject *Model_get_device(ModelObject *mo, void *closure) {
+    (void)closure;
+    return Py_NewRef(mo->device);
+}
+
+static PyObject *Model_get_threads(ModelObject *mo, void *closure) {
+    (void)closure;
+    if (!model_usable(mo)) return NULL;
+    return PyLong_FromLong(mo->m->be->threads);
+}
+
+static PyObject *Model_get_closed(ModelObject *mo, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(mo->m == NULL);
+}
+
+static PyMethodDef Model_methods[] = {
+    {"session", (PyCFunction)(void (*)(void))Model_session, METH_VARARGS | METH_KEYWORDS,
+     "session(max_context) -> Session: a KV cache of max_context positions."},
+    {"tensor_types", (PyCFunction)Model_tensor_types, METH_NOARGS,
+     "tensor_types() -> dict: the stored type of every matrix the engine reads."},
+    {"close", (PyCFunction)Model_close, METH_NOARGS,
+     "close(): free the weights and every session of this model."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Model_getset[] = {
+    {"config", (getter)Model_get_config, NULL, "the hyperparameters, as a dict", NULL},
+    {"path", (getter)Model_get_path, NULL, "the GGUF file", NULL},
+    {"device", (getter)Model_get_device, NULL, "cpu, cuda or cuda:N", NULL},
+    {"threads", (getter)Model_get_threads, NULL, "CPU worker threads of the backend", NULL},
+    {"closed", (getter)Model_get_closed, NULL, "whether close() was called", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Model_slots[] = {
+    {Py_tp_new, Model_new},
+    {Py_tp_dealloc, Model_dealloc},
+    {Py_tp_methods, Model_methods},
+    {Py_tp_getset, Model_getset},
+    {Py_tp_doc, "Model(path, device='cpu', threads=0): a Qwen2 GGUF loaded on a backend "
+                "(the low-level object under qwencuda.Model)."},
+    {0, NULL},
+};
+
+static PyType_Spec Model_spec = {
+    "qwencuda._core.Model", sizeof(ModelObject), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    Model_slots,
+};
+
+int qc_py_add_model(PyObject *m) {
+    PyObject *model = NULL;
+    Session_type = (PyTypeObject *)PyType_FromSpec(&Session_spec);
+    if (Session_type == NULL) return -1;
+    /* The module keeps a reference; Session_type's own lives as long as the process. */
+    if (PyModule_AddObjectRef(m, "Session", (PyObject *)Session_type) < 0) return -1;
+    model = PyType_FromSpec(&Model_spec);
+    if (model == NULL) return -1;
+    int rc = PyModule_AddObjectRef(m, "Model", model);
+    Py_DECREF(model);
+    return rc;
 }

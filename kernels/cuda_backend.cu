@@ -1,15 +1,305 @@
-// transitional scaffold; the owner replaces it.
-#include <cuda_runtime.h>
-#include "backend.h"
+/* cuda_backend.cu: the CUDA implementation of backend.h: device selection, one stream and one
+ * cuBLAS handle per backend, memory, weights (uploaded as stored: no float copy of the model),
+ * and the ops table whose entries are the launchers of the op files (embed.cu, rmsnorm.cu,
+ * matmul.cu, rope.cu, kv_store.cu, attention.cu, elementwise.cu, argmax.cu).
+ *
+ * Every CUDA/cuBLAS call goes through QC_CUDA / QC_CUBLAS (qc_cuda.cuh), which name the call,
+ * the error and the source line in be->err. Non-sticky errors (out of memory, bad arguments) are
+ * cleared, so the backend stays usable after them; a sticky error (an illegal address in a
+ * kernel) poisons the CUDA context of the process, as it does for every CUDA program.
+ */
+#include "qc_cuda.cuh"
+#include "qc_cuda_api.h"
+#include "qc_dequant.cuh"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------------------------------- */
+/* errors */
+
+int qc_cuda_fail(qc_backend *be, cudaError_t e, const char *call, const char *file, int line) {
+    /* a non-sticky error must not be reported again by the next launch check */
+    cudaGetLastError();
+    const char *base = strrchr(file, '/');
+    return qc_fail(&be->err, QC_ERR_CUDA, "%s failed: %s (%s) [%s:%d]", call, cudaGetErrorString(e),
+                   cudaGetErrorName(e), base ? base + 1 : file, line);
+}
+
+int qc_cublas_fail(qc_backend *be, cublasStatus_t s, const char *call, const char *file, int line) {
+    cudaGetLastError();
+    const char *base = strrchr(file, '/');
+    return qc_fail(&be->err, QC_ERR_CUDA, "%s failed: %s (%s) [%s:%d]", call, cublasGetStatusString(s),
+                   cublasGetStatusName(s), base ? base + 1 : file, line);
+}
+
+int qc_cuda_value_error(qc_backend *be, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    be->err.kind = QC_ERR_VALUE;
+    vsnprintf(be->err.msg, sizeof be->err.msg, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* The calling thread's current device must be ours: several backends (cuda:0, cuda:1) can live
+ * in one process, and Python may call from any thread. */
+static int use_device(qc_backend *be) {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == be->device) return 0;
+    return QC_CUDA(be, cudaSetDevice(be->device));
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* memory */
+
+static int cu_alloc(qc_backend *be, size_t bytes, void **out) {
+    *out = NULL;
+    if (use_device(be) < 0) return -1;
+    cudaError_t e = cudaMalloc(out, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        *out = NULL;
+        cudaGetLastError();
+        return qc_fail(&be->err, QC_ERR_CUDA, "cudaMalloc(%zu bytes) failed on cuda:%d: %s (%s)", bytes,
+                       be->device, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    return 0;
+}
+
+static void cu_free(qc_backend *be, void *ptr) {
+    if (ptr == NULL) return;
+    if (use_device(be) < 0) return;
+    /* cudaFree waits for the device: no queued kernel can still be using ptr */
+    if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
+}
+
+static int cu_upload(qc_backend *be, void *dst, const void *host_src, size_t bytes) {
+    if (bytes == 0) return 0;
+    if (use_device(be) < 0) return -1;
+    /* from pageable memory the copy is staged before the call returns, so the caller may reuse
+     * host_src at once */
+    return QC_CUDA(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, qc_cuda_of(be)->stream));
+}
+
+static int cu_download(qc_backend *be, void *host_dst, const void *src, size_t bytes) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (use_device(be) < 0) return -1;
+    if (bytes && QC_CUDA(be, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, cu->stream)) < 0)
+        return -1;
+    return QC_CUDA(be, cudaStreamSynchronize(cu->stream));
+}
+
+static int cu_copy(qc_backend *be, void *dst, const void *src, size_t bytes) {
+    if (bytes == 0) return 0;
+    if (use_device(be) < 0) return -1;
+    return QC_CUDA(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, qc_cuda_of(be)->stream));
+}
+
+static int cu_synchronize(qc_backend *be) {
+    if (use_device(be) < 0) return -1;
+    return QC_CUDA(be, cudaStreamSynchronize(qc_cuda_of(be)->stream));
+}
+
+int qc_cuda_scratch(qc_backend *be, void **buf, size_t *cap, size_t bytes) {
+    if (bytes <= *cap) return 0;
+    /* cudaFree synchronizes the device, so pending users of the old buffer are done */
+    if (*buf) cudaFree(*buf);
+    *buf = NULL;
+    *cap = 0;
+    cudaError_t e = cudaMalloc(buf, bytes);
+    if (e != cudaSuccess) {
+        *buf = NULL;
+        cudaGetLastError();
+        return qc_fail(&be->err, QC_ERR_CUDA, "cudaMalloc(%zu bytes) for the matmul scratch failed on cuda:%d: %s (%s)",
+                       bytes, be->device, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    *cap = bytes;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* weights: the stored bytes, uploaded as they are */
+
+static int cu_weight_load(qc_backend *be, qc_weight *w) {
+    w->data = NULL;
+    if (!qc_cuda_type_supported(w->type)) {
+        const qc_type_traits *tr = qc_type_get(w->type);
+        return qc_fail(&be->err, QC_ERR_VALUE, "weight type %s is not supported by the CUDA backend",
+                       tr && tr->name ? tr->name : "(unknown)");
+    }
+    void *dev = NULL;
+    if (cu_alloc(be, w->nbytes, &dev) < 0) return -1;
+    if (cu_upload(be, dev, w->host, w->nbytes) < 0) {
+        cu_free(be, dev);
+        return -1;
+    }
+    w->data = dev;
+    return 0;
+}
+
+static void cu_weight_free(qc_backend *be, qc_weight *w) {
+    if (w->data) cu_free(be, w->data);
+    w->data = NULL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* ops: argument checks that the kernels rely on, then the launcher */
+
+static int op_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_embed(be, table, ids, n, out);
+}
+
+static int op_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
+                      float *out) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_rmsnorm(be, x, w, n, dim, eps, out);
+}
+
+static int op_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
+                     float *out) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_matmul(be, w, bias, x, n, out);
+}
+
+static int op_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
+                   float theta) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_rope(be, x, pos, n, n_heads, head_dim, theta);
+}
+
+static int op_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
+                       int kv_dim, float *k_cache, float *v_cache) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_kv_store(be, k, v, pos, n, kv_dim, k_cache, v_cache);
+}
+
+static int op_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
+                        const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
+                        int head_dim, float *out, float *scores, float *probs) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_attention(be, q, k_cache, v_cache, pos, n, n_kv, n_head, n_head_kv, head_dim,
+                             out, scores, probs);
+}
+
+static int op_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_swiglu(be, gate, up, count, out);
+}
+
+static int op_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_add(be, a, b, count, out);
+}
+
+static int op_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_argmax(be, x, n, cols, out);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* build / destroy */
+
+static void cu_destroy(qc_backend *be) {
+    if (be == NULL) return;
+    qc_cuda *cu = qc_cuda_of(be);
+    if (cu) {
+        if (cudaSetDevice(be->device) == cudaSuccess) {
+            if (cu->stream) cudaStreamSynchronize(cu->stream);
+            if (cu->scratch_w) cudaFree(cu->scratch_w);
+            if (cu->scratch_x) cudaFree(cu->scratch_x);
+            if (cu->blas) cublasDestroy(cu->blas);
+            if (cu->stream) cudaStreamDestroy(cu->stream);
+        }
+        cudaGetLastError();
+        free(cu);
+    }
+    free(be);
+}
+
+static const qc_backend_ops cuda_ops = {
+    cu_alloc, cu_free, cu_upload, cu_download, cu_copy, cu_weight_load, cu_weight_free,
+    cu_synchronize, cu_destroy,
+    op_embed, op_rmsnorm, op_matmul, op_rope, op_kv_store, op_attention, op_swiglu, op_add,
+    op_argmax,
+};
 
 extern "C" int qc_cuda_device_count(void) {
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return 0; }
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
     return n;
 }
 
 extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *err) {
-    (void)device;
+    qc_backend *be = NULL;
+    qc_cuda *cu = NULL;
+    int count = 0;
+    cudaError_t e;
+    cublasStatus_t bs;
     *out = NULL;
-    return qc_fail(err, QC_ERR_CUDA, "cuda backend not built yet");
+
+    e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return qc_fail(err, QC_ERR_CUDA, "device='cuda:%d': no usable CUDA device (cudaGetDeviceCount: %s, %s)",
+                       device, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    if (count == 0) return qc_fail(err, QC_ERR_CUDA, "device='cuda:%d': no CUDA device is visible", device);
+    if (device < 0 || device >= count)
+        return qc_fail(err, QC_ERR_CUDA, "device='cuda:%d': no such device (%d CUDA device%s visible: cuda:0..cuda:%d)",
+                       device, count, count == 1 ? " is" : "s are", count - 1);
+
+    be = (qc_backend *)calloc(1, sizeof *be);
+    cu = (qc_cuda *)calloc(1, sizeof *cu);
+    if (be == NULL || cu == NULL) {
+        free(be);
+        free(cu);
+        return qc_fail(err, QC_ERR_NOMEM, "cuda backend: out of memory");
+    }
+    be->ops = &cuda_ops;
+    be->name = "cuda";
+    be->device = device;
+    be->threads = 1;
+    be->impl = cu;
+
+#define QC_CREATE_CHECK(call)                                                                    \
+    if ((e = (call)) != cudaSuccess) {                                                          \
+        cudaGetLastError();                                                                      \
+        qc_fail(err, QC_ERR_CUDA, "cuda:%d: %s failed: %s (%s)", device, #call,                  \
+                cudaGetErrorString(e), cudaGetErrorName(e));                                     \
+        goto fail;                                                                               \
+    }
+    QC_CREATE_CHECK(cudaSetDevice(device));
+    QC_CREATE_CHECK(cudaDeviceGetAttribute(&cu->sm_count, cudaDevAttrMultiProcessorCount, device));
+    QC_CREATE_CHECK(cudaStreamCreateWithFlags(&cu->stream, cudaStreamNonBlocking));
+#undef QC_CREATE_CHECK
+    if ((bs = cublasCreate(&cu->blas)) != CUBLAS_STATUS_SUCCESS ||
+        (bs = cublasSetStream(cu->blas, cu->stream)) != CUBLAS_STATUS_SUCCESS) {
+        qc_fail(err, QC_ERR_CUDA, "cuda:%d: cuBLAS setup failed: %s", device, cublasGetStatusString(bs));
+        goto fail;
+    }
+    *out = be;
+    return 0;
+fail:
+    cu_destroy(be);
+    return -1;
+}
+
+extern "C" int qc_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes, qc_error *err) {
+    int prev = -1;
+    cudaGetDevice(&prev);
+    cudaError_t e = cudaSetDevice(device);
+    if (e == cudaSuccess) e = cudaMemGetInfo(free_bytes, total_bytes);
+    if (prev >= 0) cudaSetDevice(prev);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return qc_fail(err, QC_ERR_CUDA, "cudaMemGetInfo on cuda:%d failed: %s (%s)", device,
+                       cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    return 0;
 }

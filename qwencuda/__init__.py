@@ -54,6 +54,8 @@ _LAZY = {
     "compare": ("compare", "compare"),
     "diagnose": ("diagnose", "diagnose"),
     "logit_lens": ("lens", "logit_lens"),
+    "lens": ("lens", None),
+    "namemaps": ("namemaps", None),
     "resolve_model_path": ("default_model", "resolve_model_path"),
     "default_model_path": ("default_model", "default_model_path"),
     "kernels": ("kernels", None),

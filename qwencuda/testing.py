@@ -698,3 +698,11 @@ def write_model(path, config="tiny", weight_type="f32", seed=0, tied=None, vocab
     finally:
         w.close()
     return path
+
+
+def assert_matches(actual, name, trace, rtol=1e-3, atol=1e-4):
+    """Fail with qwencuda's compare report (first divergence, error table) unless `actual`
+    matches `trace[name]`. Lives in qwencuda.compare; re-exported here for test suites."""
+    from .compare import assert_matches as _assert_matches
+
+    return _assert_matches(actual, name, trace, rtol=rtol, atol=atol)

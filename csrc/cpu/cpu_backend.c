@@ -1,8 +1,121 @@
-/* transitional scaffold; the owner replaces it. */
-#include "backend.h"
+/* cpu_backend.c: the CPU backend: creation, memory, and the ops table (ops in cpu_ops.c).
+ * "Backend memory" is plain host memory, and weights alias the file mapping (no copy). */
+#include "cpu_backend.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int cpu_alloc(qc_backend *be, size_t bytes, void **out) {
+    /* 64-byte alignment keeps every row start on a cache line for the vectorised loops. */
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    *out = aligned_alloc(64, rounded ? rounded : 64);
+    if (*out == NULL)
+        return qc_fail(&be->err, QC_ERR_NOMEM, "cpu: cannot allocate %zu bytes", bytes);
+    return 0;
+}
+
+static void cpu_free(qc_backend *be, void *ptr) {
+    (void)be;
+    free(ptr);
+}
+
+static int cpu_memcpy(qc_backend *be, void *dst, const void *src, size_t bytes) {
+    (void)be;
+    if (bytes) memcpy(dst, src, bytes);
+    return 0;
+}
+
+static int cpu_weight_load(qc_backend *be, qc_weight *w) {
+    (void)be;
+    w->data = (void *)w->host;
+    return 0;
+}
+
+static void cpu_weight_free(qc_backend *be, qc_weight *w) {
+    (void)be;
+    w->data = NULL;
+}
+
+static int cpu_synchronize(qc_backend *be) {
+    (void)be;
+    return 0;
+}
+
+static void cpu_destroy(qc_backend *be) {
+    if (!be) return;
+    qc_cpu_state *st = be->impl;
+    if (st) {
+        qc_pool_destroy(st->pool);
+        for (int i = 0; i < st->n_scratch; i++) free(st->scratch[i]);
+        free(st->scratch);
+        free(st);
+    }
+    free(be);
+}
+
+int qc_cpu_scratch(qc_backend *be, size_t floats_per_thread) {
+    qc_cpu_state *st = be->impl;
+    if (floats_per_thread <= st->scratch_floats) return 0;
+    for (int i = 0; i < st->n_scratch; i++) {
+        float *grown = realloc(st->scratch[i], floats_per_thread * sizeof(float));
+        if (!grown)
+            return qc_fail(&be->err, QC_ERR_NOMEM, "cpu: cannot allocate %zu bytes of scratch",
+                           floats_per_thread * sizeof(float));
+        st->scratch[i] = grown;
+    }
+    st->scratch_floats = floats_per_thread;
+    return 0;
+}
+
+static const qc_backend_ops cpu_ops = {
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_memcpy,
+    .download = cpu_memcpy,
+    .copy = cpu_memcpy,
+    .weight_load = cpu_weight_load,
+    .weight_free = cpu_weight_free,
+    .synchronize = cpu_synchronize,
+    .destroy = cpu_destroy,
+    .embed = qc_cpu_embed,
+    .rmsnorm = qc_cpu_rmsnorm,
+    .matmul = qc_cpu_matmul,
+    .rope = qc_cpu_rope,
+    .kv_store = qc_cpu_kv_store,
+    .attention = qc_cpu_attention,
+    .swiglu = qc_cpu_swiglu,
+    .add = qc_cpu_add,
+    .argmax = qc_cpu_argmax,
+};
 
 int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err) {
-    (void)threads;
     *out = NULL;
-    return qc_fail(err, QC_ERR_VALUE, "cpu backend not built yet");
+    qc_backend *be = calloc(1, sizeof *be);
+    qc_cpu_state *st = calloc(1, sizeof *st);
+    if (!be || !st) goto nomem;
+    be->ops = &cpu_ops;
+    be->name = "cpu";
+    be->impl = st;
+    if (threads <= 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = cores > 0 ? (int)cores : 1;
+    }
+    if (threads > 256)
+        threads = 256;
+    be->threads = threads;
+    st->pool = qc_pool_create(threads);
+    st->n_scratch = threads;
+    st->scratch = calloc((size_t)threads, sizeof *st->scratch);
+    if (!st->pool || !st->scratch) goto nomem;
+    *out = be;
+    return 0;
+nomem:
+    if (be) {
+        be->impl = st;
+        cpu_destroy(be);
+    } else {
+        free(st);
+    }
+    return qc_fail(err, QC_ERR_NOMEM, "cpu: cannot create the backend (%d threads)", threads);
 }

@@ -1,0 +1,307 @@
+/* model.c: a Qwen2 / Qwen2.5 model from a GGUF file: the config from metadata, every tensor
+ * checked (presence, shape, type) before anything is allocated, then the weights placed on the
+ * backend. Norms and biases become float32 backend buffers; matrices stay in their stored
+ * block format (the backend's matmul reads them as they are). */
+#include "model.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quants.h"
+
+/* Metadata defaults, as llama.cpp applies them for qwen2 files that lack the key. */
+#define QC_DEFAULT_ROPE_THETA 10000.0f
+
+/* ---------------------------------------------------------------------------------------- */
+/* config */
+
+static int get_dim(const gguf_file *f, const char *arch, const char *suffix, int64_t *out,
+                   qc_error *err) {
+    char key[96];
+    uint32_t v = 0;
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    if (gguf_get_u32(f, key, &v, err) < 0) return -1;
+    if (v == 0) return qc_fail(err, QC_ERR_MODEL, "%s is 0", key);
+    *out = (int64_t)v;
+    return 0;
+}
+
+int qc_config_from_gguf(const gguf_file *f, qc_config *cfg, qc_error *err) {
+    gguf_str arch;
+    memset(cfg, 0, sizeof *cfg);
+    if (gguf_get_str(f, "general.architecture", &arch, err) < 0) return -1;
+    if (arch.len != 5 || memcmp(arch.ptr, "qwen2", 5) != 0)
+        return qc_fail(err, QC_ERR_MODEL,
+                       "architecture '%.*s' is not supported: qwencuda runs qwen2 (Qwen2, Qwen2.5)",
+                       (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
+    memcpy(cfg->arch, "qwen2", 6);
+
+    if (get_dim(f, "qwen2", "embedding_length", &cfg->dim, err) < 0 ||
+        get_dim(f, "qwen2", "block_count", &cfg->n_layer, err) < 0 ||
+        get_dim(f, "qwen2", "feed_forward_length", &cfg->ffn_dim, err) < 0 ||
+        get_dim(f, "qwen2", "attention.head_count", &cfg->n_head, err) < 0 ||
+        get_dim(f, "qwen2", "context_length", &cfg->n_ctx_train, err) < 0 ||
+        gguf_get_f32(f, "qwen2.attention.layer_norm_rms_epsilon", &cfg->norm_eps, err) < 0)
+        return -1;
+    /* head_count_kv absent means plain multi-head attention (llama.cpp does the same). */
+    if (gguf_find_kv(f, "qwen2.attention.head_count_kv")) {
+        if (get_dim(f, "qwen2", "attention.head_count_kv", &cfg->n_head_kv, err) < 0) return -1;
+    } else {
+        cfg->n_head_kv = cfg->n_head;
+    }
+    /* rope.freq_base absent: 10000, llama.cpp's default (Qwen2 files always carry 1e6). */
+    cfg->rope_theta = QC_DEFAULT_ROPE_THETA;
+    if (gguf_find_kv(f, "qwen2.rope.freq_base") &&
+        gguf_get_f32(f, "qwen2.rope.freq_base", &cfg->rope_theta, err) < 0)
+        return -1;
+
+    if (!(cfg->norm_eps > 0.0f) || cfg->norm_eps > 1.0f)
+        return qc_fail(err, QC_ERR_MODEL, "qwen2.attention.layer_norm_rms_epsilon = %g: expected in (0, 1]",
+                       (double)cfg->norm_eps);
+    if (!(cfg->rope_theta > 0.0f))
+        return qc_fail(err, QC_ERR_MODEL, "qwen2.rope.freq_base = %g: expected > 0", (double)cfg->rope_theta);
+    if (cfg->dim % cfg->n_head != 0)
+        return qc_fail(err, QC_ERR_MODEL, "embedding_length %lld is not a multiple of head_count %lld",
+                       (long long)cfg->dim, (long long)cfg->n_head);
+    if (cfg->n_head % cfg->n_head_kv != 0)
+        return qc_fail(err, QC_ERR_MODEL, "head_count %lld is not a multiple of head_count_kv %lld",
+                       (long long)cfg->n_head, (long long)cfg->n_head_kv);
+    cfg->head_dim = cfg->dim / cfg->n_head;
+    if (cfg->head_dim % 2 != 0)
+        return qc_fail(err, QC_ERR_MODEL, "head_dim %lld (embedding_length / head_count) is odd: RoPE needs pairs",
+                       (long long)cfg->head_dim);
+    /* The ops take int sizes: keep every dimension (and a row of scores) well inside int. */
+    if (cfg->dim > (1 << 20) || cfg->ffn_dim > (1 << 22) || cfg->n_layer > 4096 ||
+        cfg->n_head > 4096)
+        return qc_fail(err, QC_ERR_MODEL, "implausible dimensions (dim %lld, ffn %lld, layers %lld, heads %lld)",
+                       (long long)cfg->dim, (long long)cfg->ffn_dim, (long long)cfg->n_layer,
+                       (long long)cfg->n_head);
+
+    /* The vocabulary is the embedding's row count, never the tokenizer's token count. */
+    const gguf_tensor *emb = gguf_find_tensor(f, "token_embd.weight");
+    if (emb == NULL) return qc_fail(err, QC_ERR_MODEL, "token_embd.weight: missing");
+    if (emb->n_dims != 2 || emb->ne[1] <= 0 || emb->ne[1] > INT32_MAX)
+        return qc_fail(err, QC_ERR_MODEL, "token_embd.weight: expected 2 dimensions (n_vocab, %lld)",
+                       (long long)cfg->dim);
+    cfg->n_vocab = emb->ne[1];
+    cfg->tied = gguf_find_tensor(f, "output.weight") == NULL;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* tensor checks */
+
+static void shape_str(char *buf, size_t size, const int64_t *np_shape, int ndim) {
+    size_t len = 0;
+    len += (size_t)snprintf(buf + len, size - len, "(");
+    for (int i = 0; i < ndim && len < size; i++)
+        len += (size_t)snprintf(buf + len, size - len, i ? ", %lld" : "%lld", (long long)np_shape[i]);
+    if (ndim == 1 && len < size) len += (size_t)snprintf(buf + len, size - len, ",");
+    if (len < size) snprintf(buf + len, size - len, ")");
+}
+
+/* Find name and check its shape (given in NumPy order: rows first) and that the engine can read
+ * its type. Messages name the tensor and both shapes in NumPy order. */
+static int find_checked(const gguf_file *f, const char *name, int ndim, int64_t d0, int64_t d1,
+                        const gguf_tensor **out, qc_error *err) {
+    const gguf_tensor *t = gguf_find_tensor(f, name);
+    int64_t want[2] = {d0, d1};
+    *out = NULL;
+    if (t == NULL) return qc_fail(err, QC_ERR_MODEL, "%s: missing from the file", name);
+    int same = (int)t->n_dims == ndim;
+    int64_t got[GGUF_MAX_DIMS];
+    for (uint32_t i = 0; i < t->n_dims && i < GGUF_MAX_DIMS; i++) got[i] = t->ne[t->n_dims - 1 - i];
+    for (int i = 0; same && i < ndim; i++) same = got[i] == want[i];
+    if (!same) {
+        char a[64], b[96];
+        shape_str(a, sizeof a, want, ndim);
+        shape_str(b, sizeof b, got, (int)(t->n_dims < GGUF_MAX_DIMS ? t->n_dims : GGUF_MAX_DIMS));
+        return qc_fail(err, QC_ERR_MODEL, "%s: expected %s got %s", name, a, b);
+    }
+    const qc_type_traits *tr = qc_type_get(t->type);
+    if (tr == NULL || tr->dequantize == NULL)
+        return qc_fail(err, QC_ERR_MODEL, "%s: type %s is not supported by qwencuda", name,
+                       tr && tr->name ? tr->name : "unknown");
+    if (qc_row_bytes(t->type, t->ne[0]) < 0)
+        return qc_fail(err, QC_ERR_MODEL, "%s: rows of %lld elements are not whole %s blocks",
+                       name, (long long)t->ne[0], tr->name);
+    *out = t;
+    return 0;
+}
+
+/* Every tensor the forward pass reads, checked before any allocation. */
+static int check_tensors(const gguf_file *f, const qc_config *c, qc_error *err) {
+    const gguf_tensor *t;
+    char name[96];
+    const int64_t q_dim = c->n_head * c->head_dim, kv_dim = c->n_head_kv * c->head_dim;
+    if (find_checked(f, "token_embd.weight", 2, c->n_vocab, c->dim, &t, err) < 0 ||
+        find_checked(f, "output_norm.weight", 1, c->dim, 0, &t, err) < 0)
+        return -1;
+    if (!c->tied && find_checked(f, "output.weight", 2, c->n_vocab, c->dim, &t, err) < 0) return -1;
+    for (int64_t l = 0; l < c->n_layer; l++) {
+        const struct { const char *suffix; int ndim; int64_t d0, d1; } want[] = {
+            {"attn_norm.weight", 1, c->dim, 0},
+            {"attn_q.weight", 2, q_dim, c->dim},
+            {"attn_k.weight", 2, kv_dim, c->dim},
+            {"attn_v.weight", 2, kv_dim, c->dim},
+            {"attn_q.bias", 1, q_dim, 0},
+            {"attn_k.bias", 1, kv_dim, 0},
+            {"attn_v.bias", 1, kv_dim, 0},
+            {"attn_output.weight", 2, c->dim, q_dim},
+            {"ffn_norm.weight", 1, c->dim, 0},
+            {"ffn_gate.weight", 2, c->ffn_dim, c->dim},
+            {"ffn_up.weight", 2, c->ffn_dim, c->dim},
+            {"ffn_down.weight", 2, c->dim, c->ffn_dim},
+        };
+        for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+            snprintf(name, sizeof name, "blk.%lld.%s", (long long)l, want[i].suffix);
+            if (find_checked(f, name, want[i].ndim, want[i].d0, want[i].d1, &t, err) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* placing weights on the backend */
+
+static int load_matrix(qc_model *m, const char *name, qc_weight *w, qc_error *err) {
+    const gguf_tensor *t = gguf_find_tensor(m->file, name);
+    memset(w, 0, sizeof *w);
+    w->type = t->type;
+    w->cols = t->ne[0];
+    w->rows = t->ne[1];
+    w->nbytes = (size_t)t->nbytes;
+    w->host = t->data;
+    if (m->be->ops->weight_load(m->be, w) < 0) {
+        w->data = NULL;
+        return qc_fail(err, m->be->err.kind, "%s: %s", name, m->be->err.msg);
+    }
+    return 0;
+}
+
+/* A 1-D tensor of any readable type -> a float32 buffer on the backend. */
+static int load_vector(qc_model *m, const char *name, float **out, qc_error *err) {
+    const gguf_tensor *t = gguf_find_tensor(m->file, name);
+    qc_backend *be = m->be;
+    float *host = NULL;
+    void *dev = NULL;
+    size_t bytes = (size_t)t->ne[0] * sizeof(float);
+    *out = NULL;
+    host = malloc(bytes);
+    if (host == NULL) {
+        qc_fail(err, QC_ERR_NOMEM, "%s: out of memory", name);
+        goto fail;
+    }
+    if (qc_dequantize(t->type, t->data, host, 1, t->ne[0], err) < 0) goto fail;
+    if (be->ops->alloc(be, bytes, &dev) < 0 || be->ops->upload(be, dev, host, bytes) < 0) {
+        qc_fail(err, be->err.kind, "%s: %s", name, be->err.msg);
+        goto fail;
+    }
+    free(host);
+    *out = dev;
+    return 0;
+fail:
+    free(host);
+    if (dev) be->ops->free(be, dev);
+    return -1;
+}
+
+static const char *layer_name(char *buf, size_t size, int64_t layer, const char *suffix) {
+    snprintf(buf, size, "blk.%lld.%s", (long long)layer, suffix);
+    return buf;
+}
+
+int qc_model_load(const char *path, const char *device, int threads, qc_model **out, qc_error *err) {
+    qc_model *m = NULL;
+    const qc_config *c = NULL;
+    char nm[96];
+    *out = NULL;
+    m = calloc(1, sizeof *m);
+    if (m == NULL) return qc_fail(err, QC_ERR_NOMEM, "out of memory");
+    if (gguf_open(path, &m->file, err) < 0) goto fail;
+    if (qc_config_from_gguf(m->file, &m->cfg, err) < 0) goto fail;
+    if (check_tensors(m->file, &m->cfg, err) < 0) goto fail;
+    if (qc_backend_create(device, threads, &m->be, err) < 0) goto fail;
+
+    c = &m->cfg;
+    m->layers = calloc((size_t)c->n_layer, sizeof *m->layers);
+    if (m->layers == NULL) {
+        qc_fail(err, QC_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if (load_matrix(m, "token_embd.weight", &m->tok_embd, err) < 0 ||
+        load_vector(m, "output_norm.weight", &m->output_norm, err) < 0)
+        goto fail;
+    /* output.weight wins whenever the file has it (it may differ from the embedding: the real
+     * Q4_K_M file stores it as Q8_0 while token_embd is Q5_0). */
+    if (c->tied) {
+        m->output = m->tok_embd;
+    } else if (load_matrix(m, "output.weight", &m->output, err) < 0) {
+        goto fail;
+    }
+    for (int64_t l = 0; l < c->n_layer; l++) {
+        qc_layer *L = &m->layers[l];
+        if (load_vector(m, layer_name(nm, sizeof nm, l, "attn_norm.weight"), &L->attn_norm, err) < 0 ||
+            load_matrix(m, layer_name(nm, sizeof nm, l, "attn_q.weight"), &L->wq, err) < 0 ||
+            load_matrix(m, layer_name(nm, sizeof nm, l, "attn_k.weight"), &L->wk, err) < 0 ||
+            load_matrix(m, layer_name(nm, sizeof nm, l, "attn_v.weight"), &L->wv, err) < 0 ||
+            load_vector(m, layer_name(nm, sizeof nm, l, "attn_q.bias"), &L->bq, err) < 0 ||
+            load_vector(m, layer_name(nm, sizeof nm, l, "attn_k.bias"), &L->bk, err) < 0 ||
+            load_vector(m, layer_name(nm, sizeof nm, l, "attn_v.bias"), &L->bv, err) < 0 ||
+            load_matrix(m, layer_name(nm, sizeof nm, l, "attn_output.weight"), &L->wo, err) < 0 ||
+            load_vector(m, layer_name(nm, sizeof nm, l, "ffn_norm.weight"), &L->ffn_norm, err) < 0 ||
+            load_matrix(m, layer_name(nm, sizeof nm, l, "ffn_gate.weight"), &L->w_gate, err) < 0 ||
+            load_matrix(m, layer_name(nm, sizeof nm, l, "ffn_up.weight"), &L->w_up, err) < 0 ||
+            load_matrix(m, layer_name(nm, sizeof nm, l, "ffn_down.weight"), &L->w_down, err) < 0)
+            goto fail;
+    }
+    *out = m;
+    return 0;
+fail:
+    qc_model_free(m);
+    return -1;
+}
+
+static void weight_free(qc_backend *be, qc_weight *w) {
+    if (w->data) be->ops->weight_free(be, w);
+    memset(w, 0, sizeof *w);
+}
+
+static void vector_free(qc_backend *be, float **p) {
+    if (*p) be->ops->free(be, *p);
+    *p = NULL;
+}
+
+void qc_model_free(qc_model *m) {
+    if (m == NULL) return;
+    qc_backend *be = m->be;
+    if (be) {
+        if (m->layers) {
+            for (int64_t l = 0; l < m->cfg.n_layer; l++) {
+                qc_layer *L = &m->layers[l];
+                vector_free(be, &L->attn_norm);
+                weight_free(be, &L->wq);
+                weight_free(be, &L->wk);
+                weight_free(be, &L->wv);
+                vector_free(be, &L->bq);
+                vector_free(be, &L->bk);
+                vector_free(be, &L->bv);
+                weight_free(be, &L->wo);
+                vector_free(be, &L->ffn_norm);
+                weight_free(be, &L->w_gate);
+                weight_free(be, &L->w_up);
+                weight_free(be, &L->w_down);
+            }
+        }
+        /* A tied lm_head shares the embedding's memory: free that memory once. */
+        if (m->cfg.tied) memset(&m->output, 0, sizeof m->output);
+        else weight_free(be, &m->output);
+        vector_free(be, &m->output_norm);
+        weight_free(be, &m->tok_embd);
+        qc_backend_destroy(be);
+    }
+    free(m->layers);
+    gguf_close(m->file);
+    free(m);
+}

@@ -1,0 +1,155 @@
+/* attention.cu: causal GQA attention over the KV cache, one kernel for prefill and decode.
+ *
+ * Query t, head h attends keys 0..pos[t] of KV head h / (n_head / n_head_kv) with scale
+ * 1/sqrt(head_dim). One block per (head, token); the block's threads form groups of G lanes
+ * (G a power of two, about head_dim / 4), each group takes keys j = g, g + groups, ... and keeps
+ * an online softmax (running max m, sum l, and its share of the output acc) in registers: lane k
+ * of a group holds dimensions k, k + G, ... (at most QC_ATT_MAXD of them). At the end the
+ * groups' (m, l, acc) are merged through shared memory.
+ *
+ * The loop bound pos[t] is read from device memory and the grid depends only on (n_head, n),
+ * never on the position: a decode step can be captured once as a CUDA graph and replayed.
+ *
+ * scores/probs (when not NULL, for capture): [n_head][n][n_kv]; each group writes the scaled
+ * score of its keys, -inf past pos[t]; after the merge the block rereads its own scores (made
+ * visible by __syncthreads) and writes exp(s - M) / L, 0 where masked.
+ */
+#include "qc_cuda.cuh"
+
+/* Threads per block: decode and short evals (n <= QC_GEMV_MAX_TOKENS) have only n_head * n
+ * blocks, so each gets many key groups; long prefills have blocks enough. The choice depends on
+ * the token count only, never on the position (graph capture of the decode step). */
+#define QC_ATT_THREADS_SHORT 1024
+#define QC_ATT_THREADS_LONG 256
+#define QC_ATT_MAXD 8        /* dimensions per lane: head_dim <= 8 * 32 = 256 */
+
+template <int G>
+__global__ void __launch_bounds__(QC_ATT_THREADS_SHORT)
+qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cache,
+                    const float *__restrict__ v_cache, const int32_t *__restrict__ pos, int n,
+                    int n_kv, int n_head, int n_head_kv, int head_dim, float scale,
+                    float *__restrict__ out, float *scores, float *probs) {
+    extern __shared__ float smem[];
+    const int h = blockIdx.x, t = blockIdx.y;
+    const int kvh = h / (n_head / n_head_kv);
+    const int kv_dim = n_head_kv * head_dim;
+    const int lane = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
+    /* the G lanes of this group, as a shuffle mask within the warp */
+    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
+    const int last = pos[t];     /* keys 0..last */
+
+    float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
+    const float *qv = q + ((int64_t)t * n_head + h) * head_dim;
+#pragma unroll
+    for (int i = 0; i < QC_ATT_MAXD; i++) {
+        const int d = lane + i * G;
+        qr[i] = d < head_dim ? qv[d] : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    float *srow = scores ? scores + ((int64_t)h * n + t) * n_kv : nullptr;
+
+    for (int j = group; j <= last; j += groups) {
+        const float *kr = k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
+        const float *vr = v_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QC_ATT_MAXD; i++) {
+            const int d = lane + i * G;
+            if (d < head_dim) s = fmaf(qr[i], kr[d], s);
+        }
+#pragma unroll
+        for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(gmask, s, off, G);
+        s *= scale;
+        if (srow && lane == 0 && j < n_kv) srow[j] = s;
+        const float m_new = fmaxf(m, s);
+        const float corr = expf(m - m_new);     /* 0 on the first key (m = -inf) */
+        const float p = expf(s - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int i = 0; i < QC_ATT_MAXD; i++) {
+            const int d = lane + i * G;
+            if (d < head_dim) acc[i] = fmaf(p, vr[d], acc[i] * corr);
+        }
+        m = m_new;
+    }
+
+    /* merge the groups: smem = m[groups], l[groups], acc[groups][head_dim] */
+    float *sm_m = smem, *sm_l = smem + groups, *sm_acc = smem + 2 * groups;
+    if (lane == 0) { sm_m[group] = m; sm_l[group] = l; }
+#pragma unroll
+    for (int i = 0; i < QC_ATT_MAXD; i++) {
+        const int d = lane + i * G;
+        if (d < head_dim) sm_acc[group * head_dim + d] = acc[i];
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int g = 0; g < groups; g++) M = fmaxf(M, sm_m[g]);
+    float L = 0.0f;
+    for (int g = 0; g < groups; g++) L += sm_l[g] * (sm_m[g] == -INFINITY ? 0.0f : expf(sm_m[g] - M));
+    const float inv_L = L > 0.0f ? 1.0f / L : 0.0f;
+    float *o = out + ((int64_t)t * n_head + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float v = 0.0f;
+        for (int g = 0; g < groups; g++)
+            if (sm_m[g] != -INFINITY) v += sm_acc[g * head_dim + d] * expf(sm_m[g] - M);
+        o[d] = v * inv_L;
+    }
+
+    if (srow) {
+        float *prow = probs ? probs + ((int64_t)h * n + t) * n_kv : nullptr;
+        for (int j = threadIdx.x; j < n_kv; j += blockDim.x) {
+            if (j <= last) {
+                if (prow) prow[j] = expf(srow[j] - M) * inv_L;
+            } else {
+                srow[j] = -INFINITY;
+                if (prow) prow[j] = 0.0f;
+            }
+        }
+    } else if (probs) {
+        /* probs without scores: recompute the scores (rare; capture asks for both) */
+        float *prow = probs + ((int64_t)h * n + t) * n_kv;
+        for (int j = threadIdx.x; j < n_kv; j += blockDim.x) {
+            if (j <= last) {
+                const float *kr = k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
+                float s = 0.0f;
+                for (int d = 0; d < head_dim; d++) s = fmaf(qv[d], kr[d], s);
+                prow[j] = expf(s * scale - M) * inv_L;
+            } else {
+                prow[j] = 0.0f;
+            }
+        }
+    }
+}
+
+int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
+                      const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
+                      int head_dim, float *out, float *scores, float *probs) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (n <= 0) return 0;
+    if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
+        return qc_cuda_value_error(be, "attention: n_head %d is not a multiple of n_head_kv %d", n_head, n_head_kv);
+    if (head_dim <= 0 || head_dim > 32 * QC_ATT_MAXD)
+        return qc_cuda_value_error(be, "attention: head_dim %d is not in 1..%d", head_dim, 32 * QC_ATT_MAXD);
+    if (n > 65535) return qc_cuda_value_error(be, "attention: %d queries in one call (at most 65535)", n);
+    /* G: the smallest power of two with G * QC_ATT_MAXD >= head_dim, at least head_dim / 4, so a
+     * lane holds about four dimensions (64 -> 16 lanes per key, 128 -> 32) */
+    int G = 1;
+    while (G < 32 && (G * QC_ATT_MAXD < head_dim || 4 * G < head_dim)) G *= 2;
+    const int threads = n <= QC_GEMV_MAX_TOKENS ? QC_ATT_THREADS_SHORT : QC_ATT_THREADS_LONG;
+    const int groups = threads / G;
+    const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
+    const dim3 grid((unsigned)n_head, (unsigned)n);
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    switch (G) {
+#define QC_CASE_(g)                                                                              \
+    case g:                                                                                      \
+        qc_attention_kernel<g><<<grid, threads, smem, cu->stream>>>(                          \
+            q, k_cache, v_cache, pos, n, n_kv, n_head, n_head_kv, head_dim, scale, out, scores,  \
+            probs);                                                                              \
+        break;
+        QC_CASE_(1) QC_CASE_(2) QC_CASE_(4) QC_CASE_(8) QC_CASE_(16) QC_CASE_(32)
+#undef QC_CASE_
+    }
+    return QC_LAUNCHED(be, "qc_attention_kernel");
+}

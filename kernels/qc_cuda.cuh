@@ -1,0 +1,102 @@
+/* qc_cuda.cuh: what every CUDA op file shares: the backend's private state, the one error
+ * check for CUDA and cuBLAS calls, and the launchers (one per op file) that cuda_backend.cu
+ * calls from the backend.h ops table.
+ *
+ * Conventions of the launchers: they enqueue work on the backend's one stream and never
+ * synchronize the host, never allocate (except the prefill scratch of matmul, which grows only
+ * when a bigger matrix arrives), and read positions and token ids from device memory, so the
+ * decode step can later be captured as one CUDA graph. Each returns 0, or -1 with be->err set.
+ */
+#ifndef QC_CUDA_CUH
+#define QC_CUDA_CUH
+
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <stdint.h>
+
+#include "backend.h"
+
+/* Backend-private state (be->impl). */
+typedef struct qc_cuda {
+    cudaStream_t stream;        /* every op and copy runs on it, in order */
+    cublasHandle_t blas;        /* bound to stream */
+    int sm_count;               /* multiprocessors, for grid sizing */
+    /* prefill scratch for matmul (n > QC_GEMV_MAX_TOKENS): a tile of dequantized weight rows
+     * and the activations converted to f16. Grown, never shrunk, outside the decode path. */
+    void *scratch_w;
+    size_t scratch_w_bytes;
+    void *scratch_x;
+    size_t scratch_x_bytes;
+} qc_cuda;
+
+static inline qc_cuda *qc_cuda_of(qc_backend *be) { return (qc_cuda *)be->impl; }
+
+/* Record a failed CUDA call in be->err (kind QC_ERR_CUDA, naming the call, the error and
+ * where) and clear the non-sticky error state so that the backend stays usable. Returns -1. */
+int qc_cuda_fail(qc_backend *be, cudaError_t e, const char *call, const char *file, int line);
+int qc_cublas_fail(qc_backend *be, cublasStatus_t s, const char *call, const char *file, int line);
+
+static inline int qc_cuda_check(qc_backend *be, cudaError_t e, const char *call, const char *file,
+                                int line) {
+    return e == cudaSuccess ? 0 : qc_cuda_fail(be, e, call, file, line);
+}
+static inline int qc_cublas_check(qc_backend *be, cublasStatus_t s, const char *call,
+                                  const char *file, int line) {
+    return s == CUBLAS_STATUS_SUCCESS ? 0 : qc_cublas_fail(be, s, call, file, line);
+}
+/* QC_CUDA(be, call): 0 when call returned cudaSuccess, else -1 with be->err filled. */
+#define QC_CUDA(be, call) qc_cuda_check((be), (call), #call, __FILE__, __LINE__)
+#define QC_CUBLAS(be, call) qc_cublas_check((be), (call), #call, __FILE__, __LINE__)
+/* After every kernel launch: a bad configuration surfaces here, naming the kernel. */
+#define QC_LAUNCHED(be, kernel_name) \
+    qc_cuda_check((be), cudaGetLastError(), "launch of " kernel_name, __FILE__, __LINE__)
+
+/* Fill be->err with a non-CUDA error (bad argument, unsupported type); returns -1. */
+int qc_cuda_value_error(qc_backend *be, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Grow a device scratch buffer to at least `bytes` (the old contents are not kept). */
+int qc_cuda_scratch(qc_backend *be, void **buf, size_t *cap, size_t bytes);
+
+/* Largest token count that matmul serves with the batched GEMV kernels, reading the stored
+ * blocks directly; above it, it dequantizes and calls cuBLAS. */
+#define QC_GEMV_MAX_TOKENS 8
+
+/* ---- launchers, one per op file; arguments as in backend.h ---- */
+int qc_cuda_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out);
+int qc_cuda_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
+                    float *out);
+int qc_cuda_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
+                   float *out);
+int qc_cuda_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
+                 float theta);
+int qc_cuda_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
+                     int kv_dim, float *k_cache, float *v_cache);
+int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
+                      const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
+                      int head_dim, float *out, float *scores, float *probs);
+int qc_cuda_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
+int qc_cuda_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
+int qc_cuda_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
+
+/* Dequantize rows [row0, row0 + nrows) of w into dst, row-major (nrows, w->cols), as f16
+ * (half_out != 0) or f32. Used by matmul's cuBLAS path. */
+int qc_cuda_dequantize_rows(qc_backend *be, const qc_weight *w, int64_t row0, int64_t nrows,
+                            void *dst, int half_out);
+/* dst[i] = bias[i % rows] added to out[n][rows]. */
+int qc_cuda_add_bias(qc_backend *be, float *out, const float *bias, int n, int64_t rows);
+/* f32 -> f16, count values. */
+int qc_cuda_to_half(qc_backend *be, const float *src, void *dst, int64_t count);
+
+/* Grid size for a grid-stride loop over count items with `threads` per block. */
+static inline unsigned qc_grid_for(int64_t count, int threads, int max_blocks) {
+    int64_t b = (count + threads - 1) / threads;
+    if (b < 1) b = 1;
+    if (b > max_blocks) b = max_blocks;
+    return (unsigned)b;
+}
+
+#endif /* QC_CUDA_CUH */

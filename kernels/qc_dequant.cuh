@@ -1,0 +1,321 @@
+/* qc_dequant.cuh: device-side decoding of every block format, eight elements at a time.
+ *
+ * The unit of work everywhere on the GPU (embed, dequantize, the GEMV of decode, the f16 tile of
+ * prefill) is a "part": elements [8p, 8p + 8) of one stored row. Eight divides every block size
+ * (32 and 256), so a part never straddles a block, and for the K formats the 32 parts of a
+ * super-block are read by the 32 lanes of one warp: the header is a broadcast and the quant bytes
+ * are one contiguous sweep (coalesced).
+ *
+ * The block structs of quants.h are the layout; the offsets used here are theirs (offsetof).
+ * The arithmetic is that of quants.c / gguf.quants.dequantize, operation by operation, with the
+ * _rn intrinsics so that nvcc cannot contract d * q - m into an FMA: the decoded values are
+ * bit-exact with the CPU and the gguf package (tests/test_kernels.py checks it).
+ */
+#ifndef QC_DEQUANT_CUH
+#define QC_DEQUANT_CUH
+
+#include <cuda_fp16.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "quants.h"
+
+/* Bytes and elements of one block of each type, for the template code (plain types: 1 element). */
+template <int T> struct qc_blk;
+template <> struct qc_blk<QC_TYPE_F32>  { static constexpr int QK = 1;       static constexpr int BYTES = 4; };
+template <> struct qc_blk<QC_TYPE_F16>  { static constexpr int QK = 1;       static constexpr int BYTES = 2; };
+template <> struct qc_blk<QC_TYPE_BF16> { static constexpr int QK = 1;       static constexpr int BYTES = 2; };
+template <> struct qc_blk<QC_TYPE_Q4_0> { static constexpr int QK = QC_QK;   static constexpr int BYTES = sizeof(qc_block_q4_0); };
+template <> struct qc_blk<QC_TYPE_Q4_1> { static constexpr int QK = QC_QK;   static constexpr int BYTES = sizeof(qc_block_q4_1); };
+template <> struct qc_blk<QC_TYPE_Q5_0> { static constexpr int QK = QC_QK;   static constexpr int BYTES = sizeof(qc_block_q5_0); };
+template <> struct qc_blk<QC_TYPE_Q5_1> { static constexpr int QK = QC_QK;   static constexpr int BYTES = sizeof(qc_block_q5_1); };
+template <> struct qc_blk<QC_TYPE_Q8_0> { static constexpr int QK = QC_QK;   static constexpr int BYTES = sizeof(qc_block_q8_0); };
+template <> struct qc_blk<QC_TYPE_Q2_K> { static constexpr int QK = QC_QK_K; static constexpr int BYTES = sizeof(qc_block_q2_K); };
+template <> struct qc_blk<QC_TYPE_Q3_K> { static constexpr int QK = QC_QK_K; static constexpr int BYTES = sizeof(qc_block_q3_K); };
+template <> struct qc_blk<QC_TYPE_Q4_K> { static constexpr int QK = QC_QK_K; static constexpr int BYTES = sizeof(qc_block_q4_K); };
+template <> struct qc_blk<QC_TYPE_Q5_K> { static constexpr int QK = QC_QK_K; static constexpr int BYTES = sizeof(qc_block_q5_K); };
+template <> struct qc_blk<QC_TYPE_Q6_K> { static constexpr int QK = QC_QK_K; static constexpr int BYTES = sizeof(qc_block_q6_K); };
+
+/* The types the CUDA backend runs; X(type) for each, for switch-based dispatch. */
+#define QC_CUDA_FOR_EACH_TYPE(X)                                                               \
+    X(QC_TYPE_F32) X(QC_TYPE_F16) X(QC_TYPE_BF16) X(QC_TYPE_Q4_0) X(QC_TYPE_Q4_1)              \
+    X(QC_TYPE_Q5_0) X(QC_TYPE_Q5_1) X(QC_TYPE_Q8_0) X(QC_TYPE_Q2_K) X(QC_TYPE_Q3_K)            \
+    X(QC_TYPE_Q4_K) X(QC_TYPE_Q5_K) X(QC_TYPE_Q6_K)
+
+static inline int qc_cuda_type_supported(uint32_t t) {
+    switch (t) {
+#define QC_CASE_(T) case T:
+        QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* ---- loads ---------------------------------------------------------------------------- */
+
+__device__ __forceinline__ float qc_h2f(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+__device__ __forceinline__ float qc_bf2f(uint16_t bits) { return __uint_as_float((uint32_t)bits << 16); }
+
+/* Every block size and field offset is even, so 2-byte loads are always aligned; 4- and 8-byte
+ * loads are not (a Q8_0 block is 34 bytes), hence 16-bit loads stitched together. */
+__device__ __forceinline__ uint16_t qc_ld16(const uint8_t *p) { return *(const uint16_t *)p; }
+__device__ __forceinline__ uint32_t qc_ld32(const uint8_t *p) {
+    const uint16_t *s = (const uint16_t *)p;
+    return (uint32_t)s[0] | (uint32_t)s[1] << 16;
+}
+/* Eight bytes at a 2-byte aligned address, as bytes. */
+__device__ __forceinline__ void qc_ld8(const uint8_t *p, uint8_t q[8]) {
+    const uint32_t lo = qc_ld32(p), hi = qc_ld32(p + 4);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        q[k] = (uint8_t)(lo >> (8 * k));
+        q[k + 4] = (uint8_t)(hi >> (8 * k));
+    }
+}
+
+/* ---- decoding of part p of a row: w[0..7] = elements 8p .. 8p+7 --------------------------
+ * cols bounds only the plain types (whose rows need not be a multiple of 8); a block format's
+ * row is always a whole number of blocks. Elements past cols decode as 0. */
+template <int T>
+__device__ __forceinline__ void qc_deq8(const uint8_t *row, int64_t p, int64_t cols, float w[8]);
+
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_F32>(const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
+    const float *r = (const float *)row + 8 * p;
+    if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
+        const float4 a = *(const float4 *)r, b = *(const float4 *)(r + 4);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = 8 * p + k < cols ? r[k] : 0.0f;
+    }
+}
+
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_F16>(const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
+    const uint16_t *r = (const uint16_t *)row + 8 * p;
+    if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
+        const uint4 v = *(const uint4 *)r;
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            w[2 * k] = qc_h2f((uint16_t)(u[k] & 0xffff));
+            w[2 * k + 1] = qc_h2f((uint16_t)(u[k] >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = 8 * p + k < cols ? qc_h2f(r[k]) : 0.0f;
+    }
+}
+
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_BF16>(const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
+    const uint16_t *r = (const uint16_t *)row + 8 * p;
+    if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
+        const uint4 v = *(const uint4 *)r;
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            w[2 * k] = __uint_as_float(u[k] << 16);
+            w[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = 8 * p + k < cols ? qc_bf2f(r[k]) : 0.0f;
+    }
+}
+
+/* Q4_0: x = d * (q - 8); element j < 16 is the low nibble of qs[j], j + 16 the high one. */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q4_0>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q4_0);
+    const int sub = (int)(p & 3);
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_0, d)));
+    uint8_t q[8];
+    qc_ld8(b + offsetof(qc_block_q4_0, qs) + 8 * (sub & 1), q);
+    const int shift = (sub >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) w[k] = __fmul_rn(d, (float)(((q[k] >> shift) & 15) - 8));
+}
+
+/* Q4_1: x = d * q + m */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q4_1>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q4_1);
+    const int sub = (int)(p & 3);
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_1, d)));
+    const float m = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_1, m)));
+    uint8_t q[8];
+    qc_ld8(b + offsetof(qc_block_q4_1, qs) + 8 * (sub & 1), q);
+    const int shift = (sub >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) w[k] = __fadd_rn(__fmul_rn(d, (float)((q[k] >> shift) & 15)), m);
+}
+
+/* Q5_0: x = d * (q - 16), bit 4 of element j is bit j of the little-endian qh. */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_0>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q5_0);
+    const int sub = (int)(p & 3);
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_0, d)));
+    const uint32_t qh = qc_ld32(b + offsetof(qc_block_q5_0, qh));
+    uint8_t q[8];
+    qc_ld8(b + offsetof(qc_block_q5_0, qs) + 8 * (sub & 1), q);
+    const int shift = (sub >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int e = 8 * sub + k;
+        const int v = ((q[k] >> shift) & 15) | (int)((qh >> e) & 1u) << 4;
+        w[k] = __fmul_rn(d, (float)(v - 16));
+    }
+}
+
+/* Q5_1: x = d * q + m */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_1>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q5_1);
+    const int sub = (int)(p & 3);
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_1, d)));
+    const float m = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_1, m)));
+    const uint32_t qh = qc_ld32(b + offsetof(qc_block_q5_1, qh));
+    uint8_t q[8];
+    qc_ld8(b + offsetof(qc_block_q5_1, qs) + 8 * (sub & 1), q);
+    const int shift = (sub >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int e = 8 * sub + k;
+        const int v = ((q[k] >> shift) & 15) | (int)((qh >> e) & 1u) << 4;
+        w[k] = __fadd_rn(__fmul_rn(d, (float)v), m);
+    }
+}
+
+/* Q8_0: x = q * d */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q8_0>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q8_0);
+    const int sub = (int)(p & 3);
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q8_0, d)));
+    uint8_t q[8];
+    qc_ld8(b + offsetof(qc_block_q8_0, qs) + 8 * sub, q);
+#pragma unroll
+    for (int k = 0; k < 8; k++) w[k] = __fmul_rn((float)(int8_t)q[k], d);
+}
+
+/* In the K formats with 16-element sub-blocks (Q2_K, Q3_K, Q6_K) element e = 128 h + 32 t + l
+ * takes bits 2t.. of byte 32 h + l of qs; a part is 8 consecutive l of one (h, t). */
+
+/* Q2_K: x = (d * (sc & 15)) * q - dmin * (sc >> 4) */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q2_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q2_K);
+    const int e0 = 8 * (int)(p & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q2_K, d)));
+    const float dmin = qc_h2f(qc_ld16(b + offsetof(qc_block_q2_K, dmin)));
+    const uint8_t sc = b[offsetof(qc_block_q2_K, scales) + (e0 >> 4)];
+    const float dl = __fmul_rn(d, (float)(sc & 15)), ml = __fmul_rn(dmin, (float)(sc >> 4));
+    uint8_t q[8];
+    qc_ld8(b + offsetof(qc_block_q2_K, qs) + 32 * h + l0, q);
+#pragma unroll
+    for (int k = 0; k < 8; k++) w[k] = __fsub_rn(__fmul_rn(dl, (float)((q[k] >> (2 * t)) & 3)), ml);
+}
+
+/* Q3_K: x = (d * sc) * q, q = low 2 bits - (hmask bit clear ? 4 : 0), sc a signed 6-bit scale. */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q3_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q3_K);
+    const int e0 = 8 * (int)(p & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31, s = e0 >> 4;
+    const uint8_t *S = b + offsetof(qc_block_q3_K, scales);
+    const int lo4 = s < 8 ? (S[s] & 15) : (S[s - 8] >> 4);
+    const int hi2 = (S[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q3_K, d)));
+    const float dl = __fmul_rn(d, (float)((lo4 | hi2 << 4) - 32));
+    uint8_t q[8], hm[8];
+    qc_ld8(b + offsetof(qc_block_q3_K, qs) + 32 * h + l0, q);
+    qc_ld8(b + offsetof(qc_block_q3_K, hmask) + l0, hm);
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int lo = (q[k] >> (2 * t)) & 3;
+        const int hi = (hm[k] >> (4 * h + t)) & 1;
+        w[k] = __fmul_rn(dl, (float)(lo - (hi ? 0 : 4)));
+    }
+}
+
+/* Q4_K and Q5_K: 6-bit scale and min of sub-block s (0..7) from the 12 packed bytes. */
+__device__ __forceinline__ void qc_k_scale_min(const uint8_t *S, int s, int *sc, int *mn) {
+    if (s < 4) {
+        *sc = S[s] & 63;
+        *mn = S[s + 4] & 63;
+    } else {
+        *sc = (S[s + 4] & 15) | ((S[s - 4] >> 6) << 4);
+        *mn = (S[s + 4] >> 4) | ((S[s] >> 6) << 4);
+    }
+}
+
+/* Q4_K: element 64 g + 32 hh + l is nibble hh of qs[32 g + l]; sub-block s = 2 g + hh;
+ * x = (d * sc) * q - dmin * mn. */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q4_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q4_K);
+    const int e0 = 8 * (int)(p & 31), s = e0 >> 5, l0 = e0 & 31;
+    int sc, mn;
+    qc_k_scale_min(b + offsetof(qc_block_q4_K, scales), s, &sc, &mn);
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_K, d)));
+    const float dmin = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_K, dmin)));
+    const float ds = __fmul_rn(d, (float)sc), dm = __fmul_rn(dmin, (float)mn);
+    uint8_t q[8];
+    qc_ld8(b + offsetof(qc_block_q4_K, qs) + 32 * (s >> 1) + l0, q);
+    const int shift = (s & 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) w[k] = __fsub_rn(__fmul_rn(ds, (float)((q[k] >> shift) & 15)), dm);
+}
+
+/* Q5_K: as Q4_K, and bit s of qh[l] is bit 4 of element 32 s + l. */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q5_K);
+    const int e0 = 8 * (int)(p & 31), s = e0 >> 5, l0 = e0 & 31;
+    int sc, mn;
+    qc_k_scale_min(b + offsetof(qc_block_q5_K, scales), s, &sc, &mn);
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_K, d)));
+    const float dmin = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_K, dmin)));
+    const float ds = __fmul_rn(d, (float)sc), dm = __fmul_rn(dmin, (float)mn);
+    uint8_t q[8], qh[8];
+    qc_ld8(b + offsetof(qc_block_q5_K, qs) + 32 * (s >> 1) + l0, q);
+    qc_ld8(b + offsetof(qc_block_q5_K, qh) + l0, qh);
+    const int shift = (s & 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int v = ((q[k] >> shift) & 15) | ((qh[k] >> s) & 1) << 4;
+        w[k] = __fsub_rn(__fmul_rn(ds, (float)v), dm);
+    }
+}
+
+/* Q6_K: element 128 h + 32 t + l: low 4 bits = nibble (t / 2) of ql[64 h + 32 (t % 2) + l],
+ * high 2 bits = bits 2t.. of qh[32 h + l]; x = (d * scales[e / 16]) * (q - 32). */
+template <>
+__device__ __forceinline__ void qc_deq8<QC_TYPE_Q6_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+    const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q6_K);
+    const int e0 = 8 * (int)(p & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
+    const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q6_K, d)));
+    const int8_t sc = (int8_t)b[offsetof(qc_block_q6_K, scales) + (e0 >> 4)];
+    const float ds = __fmul_rn(d, (float)sc);
+    uint8_t ql[8], qh[8];
+    qc_ld8(b + offsetof(qc_block_q6_K, ql) + 64 * h + 32 * (t & 1) + l0, ql);
+    qc_ld8(b + offsetof(qc_block_q6_K, qh) + 32 * h + l0, qh);
+    const int shift = (t >> 1) * 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const int v = ((ql[k] >> shift) & 15) | ((qh[k] >> (2 * t)) & 3) << 4;
+        w[k] = __fmul_rn(ds, (float)(v - 32));
+    }
+}
+
+/* Bytes of one stored row of `cols` elements of type T. */
+template <int T>
+__host__ __device__ constexpr int64_t qc_row_bytes_t(int64_t cols) {
+    return cols / qc_blk<T>::QK * qc_blk<T>::BYTES;
+}
+
+#endif /* QC_DEQUANT_CUH */

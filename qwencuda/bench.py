@@ -1,0 +1,143 @@
+"""Prefill and decode speed of a model file (`python -m qwencuda bench`).
+
+    r = run_bench("model.gguf", "cpu", prompt_tokens=128, gen_tokens=32, repeats=3)
+    print(format_bench(r))
+
+Each repeat opens a fresh session, prefills prompt_tokens (one call, logits of the last token)
+and then decodes gen_tokens one step at a time, greedily, through the public Session API (what
+generate() does, minus tokenizer and sampler). Every call returns only after the device has
+finished (the logits are copied to the host), so wall-clock times are synchronised. The figures
+are medians over the repeats, after one warm-up round.
+"""
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_name(device):
+    if not device.startswith("cuda"):
+        return None
+    index = device.split(":")[1] if ":" in device else "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown CUDA GPU"
+
+
+def _commit():
+    here = os.path.dirname(os.path.realpath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10)
+            return out.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def _type_mix(types):
+    mix = {}
+    for t in types.values():
+        mix[t] = mix.get(t, 0) + 1
+    return dict(sorted(mix.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _one_round(model, ids, gen_tokens):
+    with model.session(max_context=len(ids) + gen_tokens) as s:
+        t0 = time.perf_counter()
+        tr = s.prefill(ids, logits="last")
+        t1 = time.perf_counter()
+        token = int(tr.argmax[-1])
+        for _ in range(gen_tokens):
+            token = int(s.step(token).argmax[-1])
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repeats=5,
+              threads=None, seed=0) -> dict:
+    """Measure prefill and decode tokens/s of model_path on device -> a dict (see format_bench)."""
+    from .model import Model
+
+    prompt_tokens, gen_tokens, repeats = int(prompt_tokens), int(gen_tokens), int(repeats)
+    if prompt_tokens < 1 or gen_tokens < 0 or repeats < 1:
+        raise ValueError("prompt_tokens and repeats must be >= 1, gen_tokens >= 0")
+    t_load = time.perf_counter()
+    model = Model(model_path, device=device, threads=threads)
+    load_s = time.perf_counter() - t_load
+    try:
+        cfg = model.config
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, min(cfg.n_vocab, 150000), prompt_tokens).tolist()
+        _one_round(model, ids[:min(prompt_tokens, 16)], min(gen_tokens, 2))   # warm-up
+        prefill_s, decode_s = [], []
+        for _ in range(repeats):
+            p, d = _one_round(model, ids, gen_tokens)
+            prefill_s.append(p)
+            decode_s.append(d)
+        types = model.tensor_types()
+        p_med, d_med = statistics.median(prefill_s), statistics.median(decode_s)
+        return {
+            "model": os.path.basename(model_path),
+            "model_path": os.fspath(model_path),
+            "model_bytes": os.path.getsize(model_path),
+            "type_mix": _type_mix(types),
+            "lm_head_type": types.get("output.weight") or types.get("output (token_embd.weight, tied)"),
+            "config": {k: getattr(cfg, k) for k in ("n_layer", "dim", "n_head", "n_head_kv", "ffn_dim", "n_vocab")},
+            "device": model.device,
+            "threads": model._core_model().threads if model.device == "cpu" else None,
+            "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "gpu": _gpu_name(model.device),
+                        "python": platform.python_version()},
+            "commit": _commit(),
+            "prompt_tokens": prompt_tokens,
+            "gen_tokens": gen_tokens,
+            "repeats": repeats,
+            "load_s": load_s,
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "prefill_tok_s": prompt_tokens / p_med if p_med > 0 else float("inf"),
+            "decode_tok_s": gen_tokens / d_med if d_med > 0 and gen_tokens else 0.0,
+        }
+    finally:
+        model.close()
+
+
+def format_bench(result) -> str:
+    """A readable report of run_bench's result."""
+    r = result
+    m = r["machine"]
+    where = m["gpu"] if m.get("gpu") else f"{m['cpu']} ({r.get('threads') or m['cores']} threads)"
+    mix = ", ".join(f"{t} x{n}" for t, n in r["type_mix"].items())
+    spread = lambda xs, n: (f"{n / max(xs):.1f}..{n / min(xs):.1f}" if xs and min(xs) > 0 else "-")
+    lines = [
+        f"qwencuda bench: {r['model']} ({r['model_bytes'] / 2**20:.0f} MiB) on {r['device']}: {where}",
+        f"  commit {r.get('commit') or 'unknown'}; weights: {mix}; lm_head {r.get('lm_head_type')}",
+        f"  prefill {r['prompt_tokens']:>5} tokens: {r['prefill_tok_s']:8.1f} tok/s "
+        f"(median of {r['repeats']}, range {spread(r['prefill_s'], r['prompt_tokens'])})",
+        f"  decode  {r['gen_tokens']:>5} tokens: {r['decode_tok_s']:8.1f} tok/s "
+        f"(median of {r['repeats']}, range {spread(r['decode_s'], r['gen_tokens'])})",
+        f"  load {r['load_s']:.2f} s",
+    ]
+    return "\n".join(lines)

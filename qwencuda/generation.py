@@ -1,0 +1,312 @@
+"""Text in, text out: prefill a prompt, then sample one token at a time until a stop condition.
+
+This is the loop every inference engine has, written plainly on top of the public pieces
+(Model.session, Tokenizer, Sampler), so that its output is the engine's output and nothing
+else: greedy (temperature 0) is a pure argmax and gives the same tokens on every run.
+
+Stop conditions, in the order they are checked after each token (Generation.stop_reason):
+  "eos"      the model chose an end-of-generation token (eos, <|im_end|>, <|endoftext|>); it is
+             the last entry of Generation.tokens but its text is not part of Generation.text
+  "stop"     the text contains one of the `stop` strings; the text ends just before it
+  "length"   max_new_tokens were generated
+  "context"  the session's context is full (the prompt itself must fit: else ValueError
+             before any work)
+  "cancelled" a stream was closed before it finished
+
+Streaming yields text pieces that never split a UTF-8 character (the tokenizer's stream
+decoder) and never show text that a stop string later removes: text that might be the start
+of a stop string is held back until the next token decides. The pieces of a stream concatenate
+to exactly Generation.text, because the non-streaming call consumes the very same stream.
+"""
+import sys
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from .chat import render_for
+
+# Token texts that end a generation when the model emits them (with the file's eos id).
+END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>")
+
+PREFILL_CHUNK = 512   # prompt tokens per prefill call; a progress bar counts these
+
+
+@dataclass
+class Generation:
+    """What one generate() call produced, and how fast."""
+
+    text: str
+    tokens: list                      # generated ids (ending with the eos id when stop_reason is "eos")
+    prompt_tokens: list               # the prompt as fed to the model
+    stop_reason: str                  # "eos" | "stop" | "length" | "context" | "cancelled"
+    prefill_tokens_per_s: float       # prompt tokens / prefill time
+    decode_tokens_per_s: float        # generated tokens / decode time (0.0 when none)
+    timings: dict = field(default_factory=dict)   # seconds: prefill_s, decode_s, total_s; counts
+
+    def __str__(self):
+        return self.text
+
+
+class GenerationStream:
+    """An iterator of text pieces; `.result` holds the Generation once it is exhausted
+    (or closed: then stop_reason is "cancelled")."""
+
+    def __init__(self, gen):
+        self._gen = gen
+        self.result = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._gen)
+
+    def close(self):
+        """Stop generating now (frees the session); `.result` then holds what was made."""
+        self._gen.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass
+class _Plan:
+    """Everything generate() checked up front, so that errors come before any work."""
+
+    ids: list
+    max_new_tokens: int
+    max_context: int
+    sampler_kwargs: dict
+    stops: tuple
+    eog: frozenset
+    progress: bool
+
+
+def _eog_ids(tok) -> frozenset:
+    ids = set()
+    if getattr(tok, "eos_id", None) is not None and tok.eos_id >= 0:
+        ids.add(int(tok.eos_id))
+    special = getattr(tok, "special_ids", None) or {}
+    for text in END_OF_GENERATION:
+        if text in special:
+            ids.add(int(special[text]))
+    return frozenset(ids)
+
+
+def _normalize_stop(stop) -> tuple:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    stops = tuple(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+    return stops
+
+
+def _check_number(name, value, low, high=None, low_open=False):
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}") from None
+    if v != v or v < low or (low_open and v == low) or (high is not None and v > high):
+        bound = f"> {low}" if low_open else f">= {low}"
+        bound += f" and <= {high}" if high is not None else ""
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+
+def _prompt_ids(model, prompt, allow_special, chat, system) -> list:
+    tok = model.tokenizer
+    if chat:
+        if not isinstance(prompt, str):
+            raise ValueError("chat=True takes the prompt as a str (the user message)")
+        if not allow_special:
+            raise ValueError("chat=True needs allow_special=True (the template's tokens are special)")
+        messages = [] if system is None else [{"role": "system", "content": system}]
+        messages.append({"role": "user", "content": prompt})
+        prompt = render_for(tok, messages, add_generation_prompt=True)
+    elif system is not None:
+        raise ValueError("system= is only used with chat=True")
+    if isinstance(prompt, (str, bytes)):
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        return [int(t) for t in tok.encode(prompt, allow_special=allow_special)]
+    try:
+        ids = [int(t) for t in prompt]
+    except TypeError:
+        raise TypeError("prompt must be a str or a list of token ids") from None
+    if not ids:
+        raise ValueError("the prompt is empty")
+    n_vocab = model.config.n_vocab
+    bad = [t for t in ids if t < 0 or t >= n_vocab]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is out of range [0, {n_vocab})")
+    return ids
+
+
+def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
+          repeat_last_n, seed, stop, allow_special, chat, system, progress, max_context) -> _Plan:
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    _check_number("temperature", temperature, 0.0)
+    _check_number("top_k", top_k, 0)
+    _check_number("top_p", top_p, 0.0, 1.0, low_open=True)
+    _check_number("min_p", min_p, 0.0, 1.0)
+    _check_number("repeat_penalty", repeat_penalty, 0.0, low_open=True)
+    stops = _normalize_stop(stop)
+    ids = _prompt_ids(model, prompt, allow_special, chat, system)
+    n_ctx_train = int(getattr(model.config, "n_ctx_train", 0) or 0)
+    if max_context is None:
+        want = len(ids) + max(int(max_new_tokens), 1)
+        max_context = min(want, n_ctx_train) if n_ctx_train > 0 else want
+    elif int(max_context) < 1:
+        raise ValueError(f"max_context must be >= 1, got {max_context!r}")
+    max_context = int(max_context)
+    if len(ids) > max_context:
+        limit = "the model's context" if max_context == n_ctx_train else "max_context"
+        raise ValueError(f"the prompt has {len(ids)} tokens, more than {limit} ({max_context})")
+    return _Plan(
+        ids=ids, max_new_tokens=int(max_new_tokens), max_context=max_context,
+        sampler_kwargs=dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                            min_p=float(min_p), repeat_penalty=float(repeat_penalty),
+                            repeat_last_n=int(repeat_last_n), seed=int(seed)),
+        stops=stops, eog=_eog_ids(model.tokenizer), progress=bool(progress),
+    )
+
+
+def _held_back(text, stops) -> int:
+    """How many trailing characters of text could still be the start of a stop string."""
+    keep = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:n]):
+                keep = n
+                break
+    return keep
+
+
+def _first_stop(text, stops) -> int:
+    """Index of the earliest stop string in text, or -1."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def _prefill(session, ids, progress):
+    """Feed the prompt in chunks; return the logits row of its last token."""
+    chunks = [ids[i:i + PREFILL_CHUNK] for i in range(0, len(ids), PREFILL_CHUNK)]
+    with tqdm(total=len(ids), unit="tok", desc="prefill", file=sys.stderr, leave=False,
+              disable=not (progress and len(chunks) > 1)) as bar:
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            tr = session.prefill(chunk, logits="last" if last else None)  # lm_head once
+            bar.update(len(chunk))
+    return tr.logits[-1]
+
+
+def _make_sampler(model, kwargs):
+    from .sampling import Sampler
+
+    return Sampler(model.config.n_vocab, **kwargs)
+
+
+def _run(model, plan, stream_obj):
+    """The generation loop, as a generator of text pieces; sets stream_obj.result at the end."""
+    tok = model.tokenizer
+    tokens, pieces = [], []
+    reason = "cancelled"
+    held = ""
+    t_start = time.perf_counter()
+    prefill_s = decode_s = 0.0
+    session = None
+
+    def emit(text):
+        pieces.append(text)
+        return text
+
+    try:
+        session = model.session(max_context=plan.max_context)
+        sampler = _make_sampler(model, plan.sampler_kwargs)
+        decoder = tok.stream_decoder()
+        t0 = time.perf_counter()
+        logits = _prefill(session, plan.ids, plan.progress)
+        prefill_s = time.perf_counter() - t0
+        for t in plan.ids:
+            sampler.accept(t)
+        if plan.max_new_tokens == 0:
+            reason = "length"
+        while reason == "cancelled":
+            t0 = time.perf_counter()
+            token = int(sampler.sample(logits))
+            sampler.accept(token)
+            tokens.append(token)
+            out = None
+            if token in plan.eog:
+                reason = "eos"
+            else:
+                held += decoder.push(token)
+                cut = _first_stop(held, plan.stops) if plan.stops else -1
+                if cut >= 0:
+                    held, reason = held[:cut], "stop"
+                elif len(tokens) >= plan.max_new_tokens:
+                    reason = "length"
+                elif session.position >= session.max_context:
+                    reason = "context"
+                else:
+                    keep = _held_back(held, plan.stops) if plan.stops else 0
+                    out, held = held[:len(held) - keep], held[len(held) - keep:]
+                    logits = session.step(token).logits[-1]
+            decode_s += time.perf_counter() - t0
+            if out:
+                yield emit(out)
+        if reason != "stop":
+            held += decoder.flush()
+            cut = _first_stop(held, plan.stops) if plan.stops else -1
+            if cut >= 0:
+                held, reason = held[:cut], "stop"
+        if held:
+            text, held = held, ""
+            yield emit(text)
+    finally:
+        if session is not None and hasattr(session, "close"):
+            session.close()
+        total_s = time.perf_counter() - t_start
+        stream_obj.result = Generation(
+            text="".join(pieces), tokens=tokens, prompt_tokens=list(plan.ids),
+            stop_reason=reason,
+            prefill_tokens_per_s=len(plan.ids) / prefill_s if prefill_s > 0 else 0.0,
+            decode_tokens_per_s=len(tokens) / decode_s if decode_s > 0 and tokens else 0.0,
+            timings={"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total_s,
+                     "prompt_tokens": len(plan.ids), "generated_tokens": len(tokens)},
+        )
+
+
+def generate(model, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+             repeat_penalty=1.0, seed=0, stop=None, stream=False, allow_special=True, chat=False,
+             system=None, progress=False, max_context=None, repeat_last_n=64):
+    """Generate text after a prompt with a qwencuda Model.
+
+    prompt: a str (tokenized with special tokens recognised when allow_special) or a list of
+    token ids. chat=True wraps a str prompt as one user message (after `system`, else the
+    template's default system prompt) in the file's chat template. Sampling parameters are
+    the Sampler's (temperature 0: greedy). stop: a str or list of str that end the text.
+    max_context: the session's size (default: prompt + max_new_tokens, at most the model's
+    training context). progress: a tqdm bar (stderr) over the prefill of long prompts.
+
+    Returns a Generation, or with stream=True a GenerationStream of text pieces whose
+    `.result` is the Generation after the last piece. Bad arguments and prompts that do not
+    fit raise ValueError at call time, before any work (also with stream=True)."""
+    plan = _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p,
+                 repeat_penalty, repeat_last_n, seed, stop, allow_special, chat, system,
+                 progress, max_context)
+    it = GenerationStream(None)
+    it._gen = _run(model, plan, it)
+    if stream:
+        return it
+    for _ in it:
+        pass
+    return it.result

@@ -1,0 +1,315 @@
+"""Every backend op on NumPy arrays, on the CPU or a CUDA GPU.
+
+    import numpy as np, qwencuda as qc
+    from qwencuda import kernels as K
+    y = K.rmsnorm(x, w, eps=1e-6, device="cuda")
+    W = K.Weight(raw, "Q4_K", (rows, cols))            # the stored bytes, as in a GGUF file
+    W = K.Weight.from_gguf(f, "blk.0.attn_q.weight")   # or straight from a GGUFFile
+    out = K.matmul(W, x, bias=b, device="cuda")         # x (n, cols) -> (n, rows)
+
+Each function runs the very op that the forward pass runs (csrc/backend.h): the CPU engine's C
+function for device="cpu", the CUDA kernel (kernels/*.cu) for "cuda" / "cuda:N". A backend is
+created once per device and cached (release() frees it); every call uploads its inputs,
+runs the op, downloads the outputs and frees its buffers, with the GIL released.
+
+Inputs are converted to float32 / int32 C-contiguous arrays; shapes are checked and a mismatch
+raises ValueError naming the argument. Outputs are new arrays owned by the caller.
+
+Numerics of the CUDA backend (tests/test_kernels.py states the tolerances):
+  - embed / dequantize decode blocks bit-exactly like gguf.quants.dequantize;
+  - matmul with n <= 8 tokens reads the stored blocks (fp32 math); above that it uses cuBLAS
+    on tensor cores with f16 inputs (activations rounded to f16) and fp32 accumulation, except
+    F32 weights (fp32 GEMM) and BF16 weights (decoded to f32, fp32 GEMM);
+  - rope computes angles, sines and cosines in double, like qwencuda.reference;
+  - everything else is fp32.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+
+__all__ = [
+    "Weight", "embed", "dequantize", "rmsnorm", "matmul", "rope", "kv_store", "attention",
+    "swiglu", "add", "argmax", "release", "cuda_mem_info", "time_matmul", "GEMV_MAX_TOKENS",
+]
+
+# matmul reads the stored blocks directly (GEMV) up to this many tokens; above, dequant + cuBLAS
+GEMV_MAX_TOKENS = 8
+
+_TYPES = None
+
+
+def _types():
+    global _TYPES
+    if _TYPES is None:
+        _TYPES = {t["name"]: t for t in _core.type_info()}
+    return _TYPES
+
+
+def _type_entry(type_):
+    types = _types()
+    if isinstance(type_, (int, np.integer)) and not isinstance(type_, bool):
+        for t in types.values():
+            if t["value"] == int(type_):
+                return t
+        raise ValueError(f"unknown weight type value {int(type_)}")
+    if not isinstance(type_, str):
+        raise TypeError(f"weight type must be a name like 'Q4_K' or its integer value, not {type(type_).__name__}")
+    t = types.get(type_.upper())
+    if t is None:
+        raise ValueError(f"unknown weight type {type_!r} (known: {', '.join(sorted(types))})")
+    return t
+
+
+def _device(device):
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {type(device).__name__}")
+    return device
+
+
+class Weight:
+    """A weight matrix as stored in a GGUF file: raw bytes of a block format, shape (rows, cols)
+    in NumPy order (rows = output features, cols = input features), y = W @ x.
+
+    raw: the stored bytes: a NumPy array (uint8 rows of blocks, or float32 / float16 / uint16
+    (BF16 bits) for the plain types, any shape) or a bytes-like object; type: "Q4_K" or its
+    GGML value; shape: (rows, cols). Nothing is decoded or copied beyond making raw contiguous.
+    """
+
+    __slots__ = ("raw", "type", "type_value", "shape")
+
+    def __init__(self, raw, type, shape):
+        t = _type_entry(type)
+        if not t["supported"]:
+            raise ValueError(f"weight type {t['name']} is not supported by qwencuda's engines")
+        try:
+            rows, cols = (int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"shape must be (rows, cols), got {shape!r}") from None
+        if rows < 1 or cols < 1:
+            raise ValueError(f"shape must be positive, got {(rows, cols)}")
+        if cols % t["block_size"]:
+            raise ValueError(f"{t['name']} rows must be a multiple of {t['block_size']} values, got {cols} columns")
+        if isinstance(raw, np.ndarray):
+            arr = np.ascontiguousarray(raw)
+        else:
+            arr = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
+        need = rows * (cols // t["block_size"]) * t["type_size"]
+        if arr.nbytes != need:
+            raise ValueError(f"a {t['name']} weight of shape {(rows, cols)} has {need} bytes, raw has {arr.nbytes}")
+        self.raw = arr
+        self.type = t["name"]
+        self.type_value = t["value"]
+        self.shape = (rows, cols)
+
+    @classmethod
+    def from_gguf(cls, f, name):
+        """The stored tensor `name` of a GGUFFile (zero-copy view of the file)."""
+        info = f.tensors[name]
+        if len(info.shape) != 2:
+            raise ValueError(f"{name} has shape {info.shape}: a weight must be 2-D")
+        return cls(f.raw(name), info.type, info.shape)
+
+    @classmethod
+    def from_float(cls, w, type):
+        """Quantize a float (rows, cols) array into `type` (needs the gguf package; K formats use
+        qwencuda.testing's simple quantizer)."""
+        from .testing import quantize
+
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim != 2:
+            raise ValueError(f"w must be 2-D (rows, cols), got shape {w.shape}")
+        name = _type_entry(type)["name"]
+        return cls(np.asarray(quantize(w, name)), name, w.shape)
+
+    @property
+    def nbytes(self):
+        return self.raw.nbytes
+
+    def _arg(self):
+        return (self.raw, self.type_value, self.shape[0], self.shape[1])
+
+    def __repr__(self):
+        return f"Weight({self.type}, shape={self.shape}, {self.nbytes} bytes)"
+
+
+def _weight(w):
+    if isinstance(w, Weight):
+        return w
+    if isinstance(w, tuple) and len(w) == 2 and hasattr(w[0], "tensors"):
+        return Weight.from_gguf(*w)
+    raise TypeError("weight must be a qwencuda.kernels.Weight or a (GGUFFile, tensor name) pair")
+
+
+def _f32(x, name, ndim=None):
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    return a
+
+
+def _i32(x, name, n=None):
+    a = np.asarray(x)
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must be integers, got {a.dtype}")
+    if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} values do not fit int32")
+    a = np.ascontiguousarray(a, dtype=np.int32)
+    if n is not None and a.shape[0] != n:
+        raise ValueError(f"{name} has {a.shape[0]} values, expected {n}")
+    return a
+
+
+# --------------------------------------------------------------------------------------------
+# the ops of csrc/backend.h
+
+
+def embed(table, ids, device="cpu"):
+    """Rows `ids` of the weight table, decoded to float32: (len(ids), cols)."""
+    w = _weight(table)
+    ids = _i32(ids, "ids")
+    if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
+        raise ValueError(f"ids must be in [0, {w.shape[0]}), got range [{ids.min()}, {ids.max()}]")
+    return _core.kernel_embed(_device(device), w._arg(), ids)
+
+
+def dequantize(weight, device="cpu"):
+    """The whole weight decoded to float32 (rows, cols), by the backend's embed op."""
+    return _core.kernel_dequantize(_device(device), _weight(weight)._arg())
+
+
+def rmsnorm(x, w, eps=1e-6, device="cpu"):
+    """x / sqrt(mean(x^2) + eps) * w over the last axis of x (any leading shape)."""
+    x = _f32(x, "x")
+    w = _f32(w, "w", 1)
+    if x.ndim == 0 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"rmsnorm: x's last axis ({x.shape}) must match w ({w.shape[0]})")
+    out = _core.kernel_rmsnorm(_device(device), x.reshape(-1, w.shape[0]), w, float(eps))
+    return out.reshape(x.shape)
+
+
+def matmul(weight, x, bias=None, device="cpu"):
+    """x @ W.T (+ bias): x (cols,) or (..., cols) -> (rows,) or (..., rows)."""
+    w = _weight(weight)
+    rows, cols = w.shape
+    x = _f32(x, "x")
+    if x.ndim == 0 or x.shape[-1] != cols:
+        raise ValueError(f"matmul: x's last axis must be the weight's {cols} columns, got shape {x.shape}")
+    if bias is not None:
+        bias = _f32(bias, "bias", 1)
+        if bias.shape[0] != rows:
+            raise ValueError(f"matmul: bias has {bias.shape[0]} values, the weight {rows} rows")
+    out = _core.kernel_matmul(_device(device), w._arg(), x.reshape(-1, cols), bias)
+    return out.reshape(*x.shape[:-1], rows)
+
+
+def rope(x, pos, theta=1e6, device="cpu"):
+    """NEOX rotary embedding of x (tokens, heads, head_dim) at positions pos (tokens,): pairs
+    (i, i + head_dim/2) rotated by pos * theta^(-2i/head_dim). Returns a new array."""
+    x = _f32(x, "x", 3)
+    if x.shape[2] % 2:
+        raise ValueError(f"rope: head_dim {x.shape[2]} must be even")
+    pos = _i32(pos, "pos", x.shape[0])
+    return _core.kernel_rope(_device(device), x, pos, float(theta))
+
+
+def kv_store(k, v, pos, k_cache, v_cache, device="cpu"):
+    """Copies of the caches (max_ctx, kv_dim) with rows pos[t] set to k[t] and v[t]."""
+    k = _f32(k, "k", 2)
+    v = _f32(v, "v", 2)
+    k_cache = _f32(k_cache, "k_cache", 2)
+    v_cache = _f32(v_cache, "v_cache", 2)
+    if k.shape != v.shape:
+        raise ValueError(f"kv_store: k {k.shape} and v {v.shape} differ")
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] != k.shape[1]:
+        raise ValueError(f"kv_store: caches {k_cache.shape}, {v_cache.shape} must be (max_ctx, {k.shape[1]})")
+    pos = _i32(pos, "pos", k.shape[0])
+    if pos.size and (pos.min() < 0 or pos.max() >= k_cache.shape[0]):
+        raise ValueError(f"kv_store: positions must be in [0, {k_cache.shape[0]})")
+    return _core.kernel_kv_store(_device(device), k, v, pos, k_cache, v_cache)
+
+
+def attention(q, k_cache, v_cache, pos, n_head_kv, n_kv=None, scores=False, device="cpu"):
+    """Causal GQA attention of q (tokens, n_head, head_dim) over the caches
+    (max_ctx, n_head_kv * head_dim): query t attends keys 0..pos[t]; query head h reads KV head
+    h // (n_head // n_head_kv); scale 1/sqrt(head_dim). n_kv defaults to max(pos) + 1.
+
+    Returns out (tokens, n_head * head_dim), or with scores=True the tuple (out, scores, probs),
+    both (n_head, tokens, n_kv): scaled scores with -inf where masked, and the softmax."""
+    q = _f32(q, "q", 3)
+    k_cache = _f32(k_cache, "k_cache", 2)
+    v_cache = _f32(v_cache, "v_cache", 2)
+    n, n_head, hd = q.shape
+    n_head_kv = int(n_head_kv)
+    if n_head_kv < 1 or n_head % n_head_kv:
+        raise ValueError(f"attention: n_head {n_head} must be a multiple of n_head_kv {n_head_kv}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] != n_head_kv * hd:
+        raise ValueError(f"attention: caches {k_cache.shape}, {v_cache.shape} must be (max_ctx, {n_head_kv * hd})")
+    pos = _i32(pos, "pos", n)
+    if n and pos.min() < 0:
+        raise ValueError("attention: positions must be >= 0")
+    if n_kv is None:
+        n_kv = int(pos.max()) + 1 if n else 1
+    n_kv = int(n_kv)
+    if not 1 <= n_kv <= k_cache.shape[0]:
+        raise ValueError(f"attention: n_kv {n_kv} must be in [1, {k_cache.shape[0]}] (the cache rows)")
+    if n and pos.max() >= n_kv:
+        raise ValueError(f"attention: positions must be < n_kv = {n_kv}")
+    out, s, p = _core.kernel_attention(_device(device), q, k_cache, v_cache, pos, n_kv, n_head_kv, bool(scores))
+    return (out, s, p) if scores else out
+
+
+def swiglu(gate, up, device="cpu"):
+    """silu(gate) * up elementwise, silu(g) = g / (1 + exp(-g))."""
+    gate = _f32(gate, "gate")
+    up = _f32(up, "up")
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} differ")
+    return _core.kernel_swiglu(_device(device), gate, up)
+
+
+def add(a, b, device="cpu"):
+    """a + b elementwise (same shapes)."""
+    a = _f32(a, "a")
+    b = _f32(b, "b")
+    if a.shape != b.shape:
+        raise ValueError(f"add: shapes {a.shape} and {b.shape} differ")
+    return _core.kernel_add(_device(device), a, b)
+
+
+def argmax(x, device="cpu"):
+    """Index of the first largest value of each row: x (cols,) -> int, (n, cols) -> int32 (n,)."""
+    x = _f32(x, "x")
+    if x.ndim not in (1, 2) or x.shape[-1] == 0:
+        raise ValueError(f"argmax: x must be (cols,) or (rows, cols) with cols > 0, got {x.shape}")
+    out = _core.kernel_argmax(_device(device), x.reshape(-1, x.shape[-1]))
+    return int(out[0]) if x.ndim == 1 else out
+
+
+def time_matmul(weight, x, iters=100, device="cpu"):
+    """Seconds per call of the backend's matmul on x (n, cols), timed in C between two
+    synchronizations after 3 warm-up calls (inputs already on the device; no Python per call).
+    Bytes moved per call are at least weight.nbytes, so weight.nbytes / seconds is the
+    weight-read bandwidth of a GEMV."""
+    w = _weight(weight)
+    x = _f32(x, "x")
+    if x.ndim == 1:
+        x = x.reshape(1, -1)
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"time_matmul: x must be (n, {w.shape[1]}), got {x.shape}")
+    return _core.kernel_time_matmul(_device(device), w._arg(), x, int(iters))
+
+
+def release(device=None):
+    """Free the cached backend of `device` (all when None): its stream, cuBLAS handle, scratch."""
+    _core.kernel_release(None if device is None else _device(device))
+
+
+def cuda_mem_info(device=0):
+    """(free_bytes, total_bytes) of CUDA device `device` (cudaMemGetInfo); CudaError without one."""
+    return _core.cuda_mem_info(int(device))

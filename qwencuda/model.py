@@ -1,0 +1,280 @@
+"""Model and Session: a Qwen2 GGUF file on the CPU or a CUDA GPU, with a KV cache and capture.
+
+    m = qwencuda.Model("model.gguf", device="cpu")
+    tr = m.forward(ids, capture="blk.*.attn_probs")    # a Trace
+    s = m.session(); s.prefill(ids); s.step(token)
+
+A thin layer over qwencuda._core.Model / Session (csrc/py_model.c): it validates arguments,
+checks capture patterns against the capture names, and wraps results in Traces.
+"""
+import fnmatch
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _core
+from .trace import Trace, capture_names
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class Config:
+    """Hyperparameters of a Qwen2 model, read from the GGUF metadata (model.h qc_config)."""
+
+    arch: str            # general.architecture: "qwen2"
+    n_vocab: int         # rows of token_embd.weight (151936 for Qwen2.5), not the tokenizer's count
+    dim: int             # qwen2.embedding_length
+    n_layer: int         # qwen2.block_count
+    n_head: int          # qwen2.attention.head_count
+    n_head_kv: int       # qwen2.attention.head_count_kv
+    head_dim: int        # dim // n_head
+    ffn_dim: int         # qwen2.feed_forward_length
+    n_ctx_train: int     # qwen2.context_length
+    rope_theta: float    # qwen2.rope.freq_base
+    norm_eps: float      # qwen2.attention.layer_norm_rms_epsilon
+    tied: bool           # no output.weight: the lm_head is token_embd.weight
+
+
+def _resolve_device(device):
+    if device is None or device == "auto":
+        info = _core.build_info()
+        return "cuda" if info["cuda"] and info["cuda_devices"] > 0 else "cpu"
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str ('cpu', 'cuda', 'cuda:N' or 'auto'), not {type(device).__name__}")
+    return device
+
+
+def _patterns(capture, names):
+    """capture (None, a str or a list of str) -> a tuple of patterns, each matching some name."""
+    if capture is None:
+        return None
+    pats = (capture,) if isinstance(capture, str) else tuple(capture)
+    for p in pats:
+        if not isinstance(p, str):
+            raise TypeError(f"capture patterns must be str, not {type(p).__name__}")
+        if not fnmatch.filter(names, p):
+            some = ", ".join(names[i] for i in (0, 1, 3, 7, 8, len(names) - 2) if i < len(names))
+            raise ValueError(f"capture pattern {p!r} matches no capture name (names look like: "
+                             f"{some}; see Model.capture_names())")
+    return pats or None
+
+
+def _ids(ids, n_vocab, start):
+    """A 1-D int array of token ids, each in [0, n_vocab)."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError("ids must be token ids (ints); encode text with model.tokenizer.encode()")
+    a = np.asarray(ids)
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if a.ndim != 1:
+        raise ValueError(f"ids must be 1-D, got shape {a.shape}")
+    if a.size == 0:
+        raise ValueError("ids is empty: give at least one token id")
+    if a.dtype == object:
+        try:
+            a = np.array([int(t) for t in a], dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError("ids must be ints") from None
+    if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"ids must be ints, got {a.dtype}")
+    bad = np.flatnonzero((a < 0) | (a >= n_vocab))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"token id {int(a[i])} at ids[{i}] (position {start + i}) is out of "
+                         f"range [0, {n_vocab})")
+    return a.astype(np.int64, copy=False)
+
+
+class Session:
+    """A KV cache over a Model: prefill(ids), then step(token), each at the current position."""
+
+    def __init__(self, model, max_context):
+        self._model = model
+        self._s = model._core_model().session(int(max_context))
+
+    def _core(self):
+        if self._s is None:
+            raise ValueError("the session is closed")
+        return self._s
+
+    @property
+    def position(self) -> int:
+        """Tokens in the cache: the position of the next token."""
+        return self._core().position
+
+    @property
+    def max_context(self) -> int:
+        return self._core().max_context
+
+    @property
+    def closed(self) -> bool:
+        return self._s is None or self._s.closed
+
+    def prefill(self, ids, capture=None, logits="last") -> Trace:
+        """Run ids at positions position .. position + n - 1 and advance the position.
+
+        logits: "last" (one row, default), "all" (a row per token) or None (no lm_head: for the
+        early chunks of a long prompt). capture: glob pattern(s) of capture names."""
+        s = self._core()
+        if logits not in ("all", "last", None):
+            raise ValueError(f"logits must be 'all', 'last' or None, got {logits!r}")
+        cfg = self._model.config
+        a = _ids(ids, cfg.n_vocab, s.position)
+        if s.position + a.size > s.max_context:
+            raise ValueError(f"context full: {a.size} tokens at position {s.position} exceed "
+                             f"max_context {s.max_context}")
+        pats = _patterns(capture, self._model.capture_names())
+        start, lg, am, tensors = s.eval(a, logits, pats)
+        n = a.size
+        positions = np.arange(start, start + n, dtype=np.int32)
+        logit_positions = None
+        if lg is not None:
+            logit_positions = positions if logits == "all" else positions[-1:]
+        return Trace(tensors=tensors, logits=lg, argmax=am, ids=a.astype(np.int32),
+                     positions=positions, logit_positions=logit_positions,
+                     source=self._model.device.split(":")[0])
+
+    def step(self, token, capture=None) -> Trace:
+        """Run one token; the Trace holds the logits of its position."""
+        if isinstance(token, (list, tuple, np.ndarray)) and np.size(token) != 1:
+            raise ValueError("step() takes one token; use prefill() for several")
+        return self.prefill([int(np.asarray(token).reshape(-1)[0])], capture=capture, logits="last")
+
+    def reset(self):
+        """Empty the cache (position 0)."""
+        self._core().reset()
+
+    def rewind(self, n):
+        """Forget the last n tokens (0 <= n <= position)."""
+        self._core().rewind(int(n))
+
+    def close(self):
+        if self._s is not None:
+            self._s.close()
+            self._s = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        if self.closed:
+            return "<qwencuda.Session closed>"
+        return f"<qwencuda.Session position={self.position} max_context={self.max_context}>"
+
+
+class Model:
+    """A Qwen2 / Qwen2.5 GGUF model on a device.
+
+    path None: QWENCUDA_MODEL, then the default model (qwencuda.default_model).
+    device: "auto" (cuda when built and present, else cpu), "cpu", "cuda" or "cuda:N".
+    threads: CPU worker threads (None: every core)."""
+
+    def __init__(self, path=None, device="auto", threads=None):
+        if path is None:
+            from .default_model import resolve_model_path
+
+            path = resolve_model_path(None)
+        path = os.fspath(path)
+        device = _resolve_device(device)
+        threads = 0 if threads is None else int(threads)
+        if threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 or None: every core), got {threads}")
+        self._m = None
+        self._m = _core.Model(path, device, threads)
+        self.path = path
+        self.device = self._m.device
+        self.config = Config(**self._m.config)
+        self._names = capture_names(self.config.n_layer)
+        self._tokenizer = None
+        self._file = None
+
+    def _core_model(self):
+        if self._m is None or self._m.closed:
+            raise ValueError("the model is closed")
+        return self._m
+
+    @property
+    def closed(self) -> bool:
+        return self._m is None or self._m.closed
+
+    @property
+    def tokenizer(self):
+        """The file's tokenizer (qwencuda.Tokenizer), loaded on first use."""
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer(self.path)
+        return self._tokenizer
+
+    @property
+    def file(self):
+        """The GGUF file (qwencuda.GGUFFile), opened on first use."""
+        if self._file is None:
+            from .gguf import GGUFFile
+
+            self._file = GGUFFile(self.path)
+        return self._file
+
+    def tensor_types(self) -> dict:
+        """The stored type of every matrix the engine reads, e.g. {"blk.0.attn_q.weight": "Q4_K"}."""
+        return self._core_model().tensor_types()
+
+    def capture_names(self) -> list:
+        """Every capture name, in forward order."""
+        return list(self._names)
+
+    def session(self, max_context=None) -> Session:
+        """A KV cache of max_context positions (default min(4096, the training context))."""
+        self._core_model()
+        if max_context is None:
+            n_ctx = self.config.n_ctx_train
+            max_context = min(DEFAULT_MAX_CONTEXT, n_ctx) if n_ctx > 0 else DEFAULT_MAX_CONTEXT
+        if isinstance(max_context, bool) or int(max_context) != max_context or max_context < 1:
+            raise ValueError(f"max_context must be an int >= 1, got {max_context!r}")
+        return Session(self, int(max_context))
+
+    def forward(self, ids, capture=None, logits="all") -> Trace:
+        """One pass over ids from position 0 (a fresh KV cache) -> Trace."""
+        a = _ids(ids, self.config.n_vocab, 0)
+        with self.session(max_context=a.size) as s:
+            return s.prefill(a, capture=capture, logits=logits)
+
+    def generate(self, *args, **kwargs):
+        """Generate text; see qwencuda.generation.generate."""
+        from .generation import generate
+
+        self._core_model()
+        return generate(self, *args, **kwargs)
+
+    def chat(self, *args, **kwargs):
+        """Answer a conversation; see qwencuda.chat.chat."""
+        from .chat import chat
+
+        self._core_model()
+        return chat(self, *args, **kwargs)
+
+    def close(self):
+        """Free the weights and every session (their use raises ValueError afterwards)."""
+        if self._m is not None:
+            self._m.close()
+        if self._file is not None and hasattr(self._file, "close"):
+            self._file.close()
+            self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        c = self.config
+        state = " closed" if self.closed else ""
+        return (f"<qwencuda.Model{state} {os.path.basename(self.path)} on {self.device}: "
+                f"{c.n_layer} layers, dim {c.dim}, {c.n_head}/{c.n_head_kv} heads, "
+                f"vocab {c.n_vocab}{', tied' if c.tied else ''}>")

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh: the check of qwencuda on a GPU machine, in one command:
+#   1. build and install (pip install --no-build-isolation), for this GPU's architecture;
+#   2. write the 0.5B-shaped synthetic models (F16, Q8_0, Q4_K_M) in the background meanwhile;
+#   3. the whole test suite, GPU tests included (QWENCUDA_MODEL: the real model, when present);
+#   4. `python -m qwencuda bench` (prompt 512, decode 128) on the synthetic files and the real one,
+#      and scripts/kernel_bench.py (matmul per weight type at 0.5B shapes: us and GB/s);
+#   5. compute-sanitizer memcheck of short CUDA generations (prefill on both matmul paths, decode
+#      steps, every capture);
+#   6. a report bench/results/<date>-<commit>-<device>.md.
+# When $OUT is set (the device tool) the report and the logs are also copied there: at most 7
+# files, no folders, so they all come back.
+#
+# Environment (all optional):
+#   PYTHON                 python3                     interpreter to build and test with
+#   QWENCUDA_MODEL         real GGUF file to test and bench, when it exists
+#   QWENCUDA_CUDA_ARCHS    the GPU's compute capability (nvidia-smi), e.g. 90
+#   GPU_CHECK_STEPS        build,tests,bench,sanitizer
+#   GPU_CHECK_PYTEST_ARGS  extra pytest arguments (e.g. "-k cuda" or "-x"; no quoted spaces)
+#   GPU_CHECK_TESTS        what pytest collects (default: tests)
+#   GPU_CHECK_BENCH_TYPES  f16 q8_0 q4_k_m
+#   GPU_CHECK_PROMPT / GPU_CHECK_GEN / GPU_CHECK_REPEATS   512 / 128 / 3
+#   GPU_CHECK_TEST_TIMEOUT seconds for the test step (default 420)
+#   GPU_CHECK_COMMIT       commit to name in the report where the tree has no .git
+set -uo pipefail
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+cd "$top"
+PY=${PYTHON:-python3}
+steps=${GPU_CHECK_STEPS:-build,tests,bench,sanitizer}
+has_step() { [[ ",$steps," == *",$1,"* ]]; }
+logdir=$(mktemp -d /tmp/gpu_check.XXXXXX)
+synth=${QWENCUDA_SYNTH_DIR:-/tmp/qc-synth}
+export QWENCUDA_SYNTH_DIR=$synth
+mkdir -p "$synth" bench/results
+export PYTHONUNBUFFERED=1
+
+# ---- machine -----------------------------------------------------------------------------
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
+nvcc_version=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')
+export QWENCUDA_CUDA_ARCHS=${QWENCUDA_CUDA_ARCHS:-${cap:-90}}
+# the device tool copies the working tree without .git: GPU_CHECK_COMMIT names the commit then
+commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo nogit)}
+slug=$(echo "${gpu_name:-nogpu}" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '-' | sed 's/-*$//')
+report="bench/results/$(date -u +%Y%m%d)-$commit-$slug.md"
+echo "gpu_check: $gpu_name (driver $driver, sm_$QWENCUDA_CUDA_ARCHS), nvcc $nvcc_version, commit $commit"
+
+# ---- synthetic 0.5B-shaped models, written in parallel while the build runs ------------------
+bench_types=${GPU_CHECK_BENCH_TYPES:-f16 q8_0 q4_k_m}
+synth_pids=()
+if has_step tests || has_step bench; then
+    for wt in $bench_types; do
+        f="$synth/qwen05b-$wt.gguf"
+        [ -e "$f" ] && continue
+        # testing.py needs only numpy and gguf: load it as a plain file, since qwencuda itself is
+        # not installed yet while the build runs
+        "$PY" -c "import importlib.util as u, os
+spec = u.spec_from_file_location('qc_testing', '$top/qwencuda/testing.py'); t = u.module_from_spec(spec)
+spec.loader.exec_module(t)
+t.write_model('$f.part', config='qwen2.5-0.5b', weight_type='$wt'); os.replace('$f.part', '$f')" \
+            >"$logdir/synth-$wt.log" 2>&1 &
+        synth_pids+=($!)
+    done
+fi
+
+# ---- 1. build ------------------------------------------------------------------------------
+build_status=skipped
+if has_step build; then
+    t0=$(date +%s)
+    if QWENCUDA_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -q . >"$logdir/build.log" 2>&1; then
+        build_status="ok ($(( $(date +%s) - t0 )) s)"
+    else
+        build_status="FAILED"
+        tail -30 "$logdir/build.log"
+    fi
+    echo "build: $build_status"
+fi
+info=$(cd /tmp && "$PY" -c "import qwencuda; print(qwencuda.build_info())" 2>&1)
+echo "build_info: $info"
+
+for p in "${synth_pids[@]}"; do wait "$p"; done
+for wt in $bench_types; do [ -e "$synth/qwen05b-$wt.gguf" ] || cat "$logdir/synth-$wt.log" 2>/dev/null; done
+
+# ---- 2. tests ------------------------------------------------------------------------------
+test_summary="not run"
+if has_step tests && [ "$build_status" != FAILED ]; then
+    t0=$(date +%s)
+    timeout "${GPU_CHECK_TEST_TIMEOUT:-420}" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+        --junitxml="$logdir/junit.xml" ${GPU_CHECK_PYTEST_ARGS:-} ${GPU_CHECK_TESTS:-tests} >"$logdir/pytest.log" 2>&1
+    rc=$?
+    test_summary=$("$PY" - "$logdir/junit.xml" "$rc" "$(( $(date +%s) - t0 ))" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+path, rc, secs = sys.argv[1], sys.argv[2], sys.argv[3]
+try:
+    root = ET.parse(path).getroot()
+except Exception as exc:
+    print(f"no junit report (pytest exit {rc}: {exc})"); sys.exit()
+suites = [root] if root.tag == "testsuite" else list(root)
+tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+print(f"{passed} passed, {tot['failures']} failed, {tot['errors']} errors, {tot['skipped']} skipped "
+      f"(pytest exit {rc}, {secs} s)")
+EOF
+)
+    echo "tests: $test_summary"
+    grep -E "^(FAILED|ERROR)" "$logdir/pytest.log" | head -40
+fi
+
+# ---- 3. bench ------------------------------------------------------------------------------
+if has_step bench && [ "$build_status" != FAILED ]; then
+    files=()
+    for wt in $bench_types; do [ -e "$synth/qwen05b-$wt.gguf" ] && files+=("$synth/qwen05b-$wt.gguf"); done
+    [ -n "${QWENCUDA_MODEL:-}" ] && [ -e "${QWENCUDA_MODEL}" ] && files+=("$QWENCUDA_MODEL")
+    for f in "${files[@]}"; do
+        (cd /tmp && timeout 240 "$PY" -m qwencuda bench --model "$f" --device cuda \
+            --prompt-tokens "${GPU_CHECK_PROMPT:-512}" --gen-tokens "${GPU_CHECK_GEN:-128}" \
+            --repeats "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1 || echo "bench failed: $f" >>"$logdir/bench.log"
+    done
+    (cd /tmp && timeout 120 "$PY" "$top/scripts/kernel_bench.py" --device cuda) >>"$logdir/bench.log" 2>&1 \
+        || echo "kernel_bench failed" >>"$logdir/bench.log"
+    cat "$logdir/bench.log" 2>/dev/null
+fi
+
+# ---- 4. compute-sanitizer ------------------------------------------------------------------
+san_summary="not run"
+if has_step sanitizer && [ "$build_status" != FAILED ]; then
+    if command -v compute-sanitizer >/dev/null; then
+        (cd /tmp && "$PY" -c "from qwencuda import testing
+testing.write_model('$synth/tiny-q4_k_m-san.gguf', config='tiny', weight_type='q4_k_m')
+testing.write_model('$synth/tiny-hd128-f16-san.gguf', config='tiny-hd128', weight_type='f16')") >"$logdir/sanitizer.log" 2>&1
+        (cd /tmp && timeout 300 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 \
+            "$PY" -c "
+import numpy as np, qwencuda as qc
+for path in ['$synth/tiny-q4_k_m-san.gguf', '$synth/tiny-hd128-f16-san.gguf']:
+    with qc.Model(path, device='cuda') as m, m.session(max_context=64) as s:
+        ids = np.arange(1, 13, dtype=np.int32)
+        tr = s.prefill(ids, capture='*', logits='all')          # 12 tokens: the cuBLAS path
+        for t in range(4):                                      # decode: the GEMV path
+            tr = s.step(int(tr.argmax[-1]), capture='*')
+        s.reset(); s.prefill(ids[:3], capture='*', logits='all')
+print('sanitized run ok')
+") >>"$logdir/sanitizer.log" 2>&1
+        rc=$?
+        san_summary="$(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logdir/sanitizer.log" | tr '\n' ' ')(exit $rc)"
+    else
+        san_summary="compute-sanitizer not found"
+    fi
+    echo "sanitizer: $san_summary"
+fi
+
+# ---- 5. report -----------------------------------------------------------------------------
+{
+    echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo
+    echo "- commit: $commit"
+    echo "- device: ${gpu_name:-none} (nvidia-smi), driver ${driver:-?}, sm_$QWENCUDA_CUDA_ARCHS, nvcc ${nvcc_version:-?}"
+    echo "- build: $build_status"
+    echo "- build_info: \`$info\`"
+    echo "- tests: $test_summary"
+    echo "- sanitizer (memcheck, tiny models, prefill + decode + capture): $san_summary"
+    echo
+    echo "## Failures"
+    echo
+    echo '```'
+    grep -E "^(FAILED|ERROR)" "$logdir/pytest.log" 2>/dev/null | head -60
+    echo '```'
+    echo
+    echo "## Bench (prompt ${GPU_CHECK_PROMPT:-512}, decode ${GPU_CHECK_GEN:-128}, median of ${GPU_CHECK_REPEATS:-3})"
+    echo
+    echo '```'
+    cat "$logdir/bench.log" 2>/dev/null
+    echo '```'
+} >"$report"
+echo "report: $report"
+
+if [ -n "${OUT:-}" ]; then
+    cp "$report" "$OUT/report.md"
+    for f in build.log pytest.log junit.xml bench.log sanitizer.log; do
+        [ -e "$logdir/$f" ] && cp "$logdir/$f" "$OUT/$f"
+    done
+fi

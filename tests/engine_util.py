@@ -1,0 +1,86 @@
+"""Helpers shared by the engine tests (test_model, test_session, test_engine_vs_reference,
+test_real_model_engine): synthetic model files cached per test run, error measures, and a
+trace-vs-trace comparison that names the first tensor out of tolerance."""
+import atexit
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+import qwencuda as qc
+
+_DIR = None
+_FILES = {}
+
+
+def model_file(config="tiny", weight_type="f32", tied=None, seed=0):
+    """A synthetic Qwen2 GGUF written once per test run (qwencuda.testing.write_model)."""
+    global _DIR
+    key = (config, weight_type, tied, seed)
+    if key not in _FILES:
+        if _DIR is None:
+            _DIR = tempfile.mkdtemp(prefix="qc-engine-tests-")
+            atexit.register(shutil.rmtree, _DIR, True)
+        name = f"{config}-{weight_type}-{'t' if tied else ('u' if tied is False else 'd')}-{seed}.gguf"
+        _FILES[key] = qc.testing.write_model(os.path.join(_DIR, name), config=config,
+                                             weight_type=weight_type, seed=seed, tied=tied)
+    return _FILES[key]
+
+
+def scratch_dir():
+    model_file()   # creates the folder
+    return _DIR
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| (float64), or ||a - b|| when b is all zeros."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    num = np.linalg.norm((a - b).ravel())
+    den = np.linalg.norm(b.ravel())
+    return float(num / den) if den > 0 else float(num)
+
+
+def max_abs(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def finite_part(a):
+    """attn_scores hold -inf where masked: compare the finite entries, check the mask apart."""
+    return np.where(np.isfinite(a), a, 0.0)
+
+
+def compare_tensor(name, got, want, rtol, atol_frac):
+    """got vs want: same shape and dtype kind; relative error <= rtol and max-abs error <=
+    atol_frac * max|want|. Returns (rel, maxabs) for reporting."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != reference {want.shape}"
+    if name == "argmax" or want.dtype.kind in "iu":
+        return 0.0, 0.0
+    if name.endswith("attn_scores"):
+        assert np.array_equal(np.isneginf(got), np.isneginf(want)), f"{name}: causal mask differs"
+        got, want = finite_part(got), finite_part(want)
+    r, m = rel_err(got, want), max_abs(got, want)
+    scale = float(np.max(np.abs(want))) if want.size else 0.0
+    assert r <= rtol, f"{name}: relative error {r:.3g} > {rtol:g} (max-abs {m:.3g}, |ref| max {scale:.3g})"
+    assert m <= atol_frac * max(scale, 1e-30), \
+        f"{name}: max-abs error {m:.3g} > {atol_frac:g} * {scale:.3g} (relative {r:.3g})"
+    return r, m
+
+
+def compare_traces(got, want, rtol, atol_frac, names=None):
+    """Every tensor of want (or of names) against got; returns {name: (rel, maxabs)}."""
+    out = {}
+    for name in names or list(want.keys()):
+        assert name in got, f"{name}: not captured by the engine"
+        out[name] = compare_tensor(name, got[name], want[name], rtol, atol_frac)
+    return out
+
+
+def near_tie(logits_row, gap=0.2):
+    """Whether the two largest logits of a row are within gap of each other."""
+    top = np.sort(np.asarray(logits_row, dtype=np.float64))[-2:]
+    return float(top[1] - top[0]) < gap

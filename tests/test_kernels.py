@@ -1,0 +1,460 @@
+"""Every backend op (csrc/backend.h) on the CPU and CUDA backends, through qwencuda.kernels,
+against NumPy float64 references (and the gguf package's dequantize for the block formats).
+
+Tolerances, and why:
+  - embed / dequantize: bit-exact with gguf.quants.dequantize (both engines decode with the same
+    float32 operations in the same order).
+  - matmul, fp32 paths (the CPU engine; CUDA with n <= 8 tokens, which reads the stored blocks;
+    CUDA with F32 or BF16 weights at any n): |y - ref| <= 1e-5 * (|W| @ |x|) + 1e-6, i.e.
+    relative to the sum of the magnitudes of the products, which is what fp32 rounding scales
+    with (a plain relative error is meaningless where the dot product cancels).
+  - matmul, CUDA f16 tensor-core path (n > 8 tokens, block formats and F16): activations and
+    decoded weights are rounded to f16 (2^-11 relative): 2e-3 * (|W| @ |x|).
+  - rmsnorm, rope, swiglu, add, attention: fp32 arithmetic, 1e-5 relative to the magnitude of
+    the values involved (stated per test).
+Shapes are odd on purpose (1, 3, 17, 130 rows or tokens; non-square weights; tokens on both sides
+of the GEMV / cuBLAS switch at 8) so that the cuBLAS row/column-major mapping and every tail path
+are exercised.
+"""
+import numpy as np
+import pytest
+
+import qwencuda
+from qwencuda import kernels as K
+
+gguf = pytest.importorskip("gguf")
+
+PLAIN = ["F32", "F16", "BF16"]
+LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+ALL_TYPES = PLAIN + LEGACY + KQUANTS
+
+# byte offsets of the f16 scale fields of each block (csrc/quants.h), and whether a field is a
+# "min" (which may be any sign) or a scale
+_HALF_FIELDS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}
+_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+def _default_cols(type_name):
+    """A row length valid for the type and not a power of two where the type allows it."""
+    if type_name in PLAIN:
+        return 67          # odd: the unaligned, scalar tails of the plain types
+    if type_name in LEGACY:
+        return 96          # 3 blocks
+    return 512             # 2 super-blocks
+
+
+def random_weight(type_name, rows, cols, seed=0):
+    """(Weight, float64 dequantized reference). Block formats get random bytes (every bit pattern
+    of the codes and packed scales) with finite random f16 scales; the reference decode is the
+    gguf package's."""
+    rng = np.random.default_rng(seed)
+    if type_name == "F32":
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return K.Weight(w, "F32", (rows, cols)), w.astype(np.float64)
+    if type_name == "F16":
+        w = rng.standard_normal((rows, cols)).astype(np.float16)
+        return K.Weight(w, "F16", (rows, cols)), w.astype(np.float64)
+    if type_name == "BF16":
+        bits = (rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        ref = (bits.astype(np.uint32) << 16).view(np.float32)
+        return K.Weight(bits, "BF16", (rows, cols)), ref.astype(np.float64)
+    qk, size = _BLOCK[type_name]
+    nb = cols // qk
+    raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+    for off in _HALF_FIELDS[type_name]:
+        h = (rng.standard_normal((rows, nb)) * 0.02).astype(np.float16)
+        raw[:, :, off:off + 2] = h.view(np.uint8).reshape(rows, nb, 2)
+    raw = raw.reshape(rows, nb * size)
+    ref = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name))
+    return K.Weight(raw, type_name, (rows, cols)), np.asarray(ref, dtype=np.float64).reshape(rows, cols)
+
+
+def check_close(got, ref, scale, rtol, what=""):
+    """|got - ref| <= rtol * scale + 1e-6 elementwise, with the first offenders in the message."""
+    got = np.asarray(got, dtype=np.float64)
+    err = np.abs(got - ref)
+    bound = rtol * np.asarray(scale, dtype=np.float64) + 1e-6
+    bad = np.argwhere(~(err <= bound))
+    if bad.size:
+        lines = [f"{what}: {len(bad)} of {err.size} values off (rtol {rtol}); first:"]
+        for idx in bad[:5]:
+            idx = tuple(idx)
+            lines.append(f"  at {idx}: got {got[idx]!r}, ref {ref[idx]!r}, err {err[idx]:.3g}, bound {bound[idx] if np.ndim(bound) else bound:.3g}")
+        pytest.fail("\n".join(lines))
+
+
+def _f16_path(device, type_name, n):
+    return device.startswith("cuda") and n > K.GEMV_MAX_TOKENS and type_name not in ("F32", "BF16")
+
+
+# --------------------------------------------------------------------------------------------
+# dequantize and embed: bit-exact
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_dequantize_bit_exact(device, type_name):
+    w, ref = random_weight(type_name, 3, _default_cols(type_name), seed=1)
+    got = K.dequantize(w, device=device)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    np.testing.assert_array_equal(got, ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_embed(device, type_name):
+    rows = 11
+    w, ref = random_weight(type_name, rows, _default_cols(type_name), seed=2)
+    ids = np.array([2, 0, 2, rows - 1, 5], dtype=np.int32)
+    got = K.embed(w, ids, device=device)
+    assert got.shape == (len(ids), ref.shape[1])
+    np.testing.assert_array_equal(got, ref[ids].astype(np.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# matmul
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 17, 130])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matmul(device, type_name, n):
+    rows, cols = 130, _default_cols(type_name)
+    w, wref = random_weight(type_name, rows, cols, seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    bias = (rng.standard_normal(rows) * 10).astype(np.float32)   # Qwen2's biases are large
+    got = K.matmul(w, x, bias=bias, device=device)
+    assert got.shape == (n, rows) and got.dtype == np.float32
+    x64 = x.astype(np.float64)
+    ref = x64 @ wref.T + bias
+    scale = np.abs(x64) @ np.abs(wref).T + np.abs(bias)
+    rtol = 2e-3 if _f16_path(device, type_name, n) else 1e-5
+    check_close(got, ref, scale, rtol, f"matmul {type_name} n={n} on {device}")
+    # without bias too (the bias is fused into the GEMV and a separate add on cuBLAS)
+    got_nb = K.matmul(w, x, device=device)
+    check_close(got_nb, ref - bias, scale, rtol, f"matmul {type_name} n={n} no bias on {device}")
+
+
+@pytest.mark.parametrize("n", [1, 9, 33])
+@pytest.mark.parametrize("shape", [(1, 256), (7, 1024), (1000, 32), (33, 4096)])
+@pytest.mark.parametrize("type_name", ["F32", "F16", "Q8_0"])
+def test_matmul_nonsquare(device, type_name, shape, n):
+    """Wide and tall weights: a swapped m/n/k or lda/ldc in the cuBLAS call cannot pass this."""
+    rows, cols = shape
+    w, wref = random_weight(type_name, rows, cols, seed=5)
+    x = np.random.default_rng(6).standard_normal((n, cols)).astype(np.float32)
+    got = K.matmul(w, x, device=device)
+    x64 = x.astype(np.float64)
+    rtol = 2e-3 if _f16_path(device, type_name, n) else 1e-5
+    check_close(got, x64 @ wref.T, np.abs(x64) @ np.abs(wref).T, rtol, f"matmul {type_name} {shape} n={n}")
+
+
+def test_matmul_vector_and_batch_shapes(device):
+    w, wref = random_weight("Q8_0", 5, 64, seed=7)
+    x = np.random.default_rng(8).standard_normal(64).astype(np.float32)
+    y = K.matmul(w, x, device=device)
+    assert y.shape == (5,)
+    xb = np.stack([x, 2 * x]).reshape(1, 2, 64)
+    yb = K.matmul(w, xb, device=device)
+    assert yb.shape == (1, 2, 5)
+    np.testing.assert_allclose(yb[0, 0], y, rtol=1e-6, atol=1e-6)
+
+
+def test_matmul_from_gguf(device, tmp_path):
+    """Weights straight from a GGUF file (qwencuda.testing's q4_k_m mix of Q5_0/Q8_0/Q4_K/Q6_K)."""
+    from qwencuda.testing import write_model
+
+    path = write_model(str(tmp_path / "tiny.gguf"), config="tiny", weight_type="q4_k_m")
+    f = qwencuda.GGUFFile(path)
+    rng = np.random.default_rng(9)
+    seen = set()
+    for name, info in f.tensors.items():
+        if len(info.shape) != 2 or name == "token_embd.weight":
+            continue
+        seen.add(info.type)
+        wref = f.tensor(name).astype(np.float64)
+        x = rng.standard_normal((3, info.shape[1])).astype(np.float32)
+        got = K.matmul((f, name), x, device=device)
+        x64 = x.astype(np.float64)
+        check_close(got, x64 @ wref.T, np.abs(x64) @ np.abs(wref).T, 1e-5, f"{name} ({info.type})")
+    assert len(seen) >= 2
+
+
+# --------------------------------------------------------------------------------------------
+# rmsnorm, rope, kv_store
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 896), (17, 130), (130, 7)])
+def test_rmsnorm(device, shape):
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(shape[1])).astype(np.float32)
+    eps = 1e-6
+    got = K.rmsnorm(x, w, eps=eps, device=device)
+    x64 = x.astype(np.float64)
+    inv = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    ref = x64 * inv * w
+    check_close(got, ref, np.abs(ref), 1e-5, f"rmsnorm {shape}")
+
+
+def rope_ref(x, pos, theta):
+    x = x.astype(np.float64)
+    hd = x.shape[-1]
+    half = hd // 2
+    inv = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / hd)
+    ang = np.asarray(pos, dtype=np.float64)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("positions", ["prefill", "late", "far"])
+def test_rope(device, head_dim, positions):
+    pos = {"prefill": np.arange(17), "late": np.array([4095, 130, 7]),
+           "far": np.array([32767, 20000])}[positions].astype(np.int32)
+    n_heads = 3
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((len(pos), n_heads, head_dim)) * 5).astype(np.float32)
+    theta = 1e6
+    got = K.rope(x, pos, theta=theta, device=device)
+    ref = rope_ref(x, pos, theta)
+    # fp32 rounding of the result, relative to the size of the rotated pair
+    scale = np.sqrt(np.concatenate([x[..., :head_dim // 2] ** 2 + x[..., head_dim // 2:] ** 2] * 2, axis=-1))
+    check_close(got, ref, scale, 1e-5, f"rope hd={head_dim} {positions}")
+    assert np.array_equal(x, x)   # the input is not modified
+    np.testing.assert_array_equal(K.rope(x, pos, theta=theta, device=device), got)
+
+
+def test_kv_store(device):
+    rng = np.random.default_rng(12)
+    ctx, kv_dim, n = 20, 48, 3
+    kc = rng.standard_normal((ctx, kv_dim)).astype(np.float32)
+    vc = rng.standard_normal((ctx, kv_dim)).astype(np.float32)
+    k = rng.standard_normal((n, kv_dim)).astype(np.float32)
+    v = rng.standard_normal((n, kv_dim)).astype(np.float32)
+    pos = np.array([5, 6, 19], dtype=np.int32)
+    kc2, vc2 = K.kv_store(k, v, pos, kc, vc, device=device)
+    ek, ev = kc.copy(), vc.copy()
+    ek[pos], ev[pos] = k, v
+    np.testing.assert_array_equal(kc2, ek)
+    np.testing.assert_array_equal(vc2, ev)
+
+
+# --------------------------------------------------------------------------------------------
+# attention
+
+
+def attention_ref(q, kc, vc, pos, n_head_kv, n_kv):
+    n, n_head, hd = q.shape
+    group = n_head // n_head_kv
+    out = np.zeros((n, n_head * hd))
+    scores = np.full((n_head, n, n_kv), -np.inf)
+    probs = np.zeros((n_head, n, n_kv))
+    k = kc.astype(np.float64).reshape(kc.shape[0], n_head_kv, hd)
+    v = vc.astype(np.float64).reshape(vc.shape[0], n_head_kv, hd)
+    for t in range(n):
+        p = int(pos[t])
+        for h in range(n_head):
+            kv = h // group
+            s = k[:p + 1, kv] @ q[t, h].astype(np.float64) / np.sqrt(hd)
+            e = np.exp(s - s.max())
+            pr = e / e.sum()
+            scores[h, t, :p + 1] = s
+            probs[h, t, :p + 1] = pr
+            out[t, h * hd:(h + 1) * hd] = pr @ v[:p + 1, kv]
+    return out, scores, probs
+
+
+ATTN_CASES = {
+    "prefill": np.arange(17),               # a prompt from position 0
+    "decode": np.array([130]),              # one token late in the cache
+    "chunk": 40 + np.arange(9),             # a second prefill chunk after 40 cached tokens
+    "first": np.array([0]),                 # the very first token: one key
+}
+
+
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("ratio", [1, 2, 7])
+def test_attention(device, ratio, head_dim, case):
+    pos = ATTN_CASES[case].astype(np.int32)
+    n_head_kv = 2
+    n_head = n_head_kv * ratio
+    n_kv = int(pos.max()) + 1
+    ctx = n_kv + 5
+    rng = np.random.default_rng(13)
+    q = (rng.standard_normal((len(pos), n_head, head_dim)) * 2).astype(np.float32)
+    kc = rng.standard_normal((ctx, n_head_kv * head_dim)).astype(np.float32)
+    vc = rng.standard_normal((ctx, n_head_kv * head_dim)).astype(np.float32)
+    # rows past the visible keys are never read: NaN there would poison any output that did
+    kc[n_kv:] = np.nan
+    vc[n_kv:] = np.nan
+    out, scores, probs = K.attention(q, kc, vc, pos, n_head_kv, scores=True, device=device)
+    ref_out, ref_s, ref_p = attention_ref(q, kc, vc, pos, n_head_kv, n_kv)
+    assert out.shape == (len(pos), n_head * head_dim)
+    assert scores.shape == probs.shape == (n_head, len(pos), n_kv)
+    check_close(out, ref_out, np.max(np.abs(vc[:n_kv])), 1e-5, "attention out")
+    masked = np.isinf(ref_s)
+    assert np.array_equal(np.isneginf(scores), masked), "scores must be -inf exactly where masked"
+    assert np.all(probs[masked] == 0), "probs must be 0 where masked"
+    check_close(np.where(masked, 0, scores), np.where(masked, 0, ref_s), np.abs(ref_s[~masked]).max(), 1e-5, "scores")
+    check_close(probs, ref_p, 1.0, 1e-5, "probs")
+    # without scores the output is the same
+    out2 = K.attention(q, kc, vc, pos, n_head_kv, device=device)
+    check_close(out2, ref_out, np.max(np.abs(vc[:n_kv])), 1e-5, "attention out (no scores)")
+
+
+def test_attention_small_head_dim_and_wide_n_kv(device):
+    """head_dim 16 (the tiny test models) and n_kv beyond the last position (columns masked)."""
+    rng = np.random.default_rng(14)
+    pos = np.array([3, 4, 5], dtype=np.int32)
+    n_head, n_head_kv, hd, n_kv = 4, 2, 16, 9
+    q = rng.standard_normal((3, n_head, hd)).astype(np.float32)
+    kc = rng.standard_normal((12, n_head_kv * hd)).astype(np.float32)
+    vc = rng.standard_normal((12, n_head_kv * hd)).astype(np.float32)
+    out, s, p = K.attention(q, kc, vc, pos, n_head_kv, n_kv=n_kv, scores=True, device=device)
+    r_out, r_s, r_p = attention_ref(q, kc, vc, pos, n_head_kv, n_kv)
+    check_close(out, r_out, np.abs(vc).max(), 1e-5, "out")
+    assert np.array_equal(np.isneginf(s), np.isinf(r_s))
+    check_close(p, r_p, 1.0, 1e-5, "probs")
+
+
+# --------------------------------------------------------------------------------------------
+# swiglu, add, argmax
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 17), (130, 4864)])
+def test_swiglu(device, shape):
+    rng = np.random.default_rng(15)
+    g = (rng.standard_normal(shape) * 4).astype(np.float32)
+    u = rng.standard_normal(shape).astype(np.float32)
+    got = K.swiglu(g, u, device=device)
+    g64 = g.astype(np.float64)
+    ref = g64 / (1 + np.exp(-g64)) * u
+    check_close(got, ref, np.abs(ref), 1e-5, "swiglu")
+    # extremes stay finite: silu(-100) = -0, silu(100) = 100
+    ext = K.swiglu(np.array([-100.0, 100.0, 0.0], np.float32), np.ones(3, np.float32), device=device)
+    np.testing.assert_allclose(ext, [0.0, 100.0, 0.0], atol=1e-30)
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 17), (130, 896)])
+def test_add(device, shape):
+    rng = np.random.default_rng(16)
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = rng.standard_normal(shape).astype(np.float32)
+    np.testing.assert_array_equal(K.add(a, b, device=device), a + b)
+
+
+@pytest.mark.parametrize("cols", [1, 7, 1000, 151936])
+def test_argmax(device, cols):
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    if cols > 2:
+        # ties: the first of equal maxima wins
+        x[1, cols // 3] = x[1, cols - 1] = 50.0
+        x[2, :] = 1.0
+    got = K.argmax(x, device=device)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=1))
+    assert K.argmax(x[0], device=device) == int(np.argmax(x[0]))
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA against the CPU engine, directly
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_cuda_matches_cpu_matmul(type_name):
+    w, _ = random_weight(type_name, 130, _default_cols(type_name), seed=18)
+    x = np.random.default_rng(19).standard_normal((3, w.shape[1])).astype(np.float32)
+    a = K.matmul(w, x, device="cpu")
+    b = K.matmul(w, x, device="cuda")
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_attention():
+    rng = np.random.default_rng(20)
+    pos = np.arange(33, dtype=np.int32)
+    q = rng.standard_normal((33, 14, 64)).astype(np.float32)
+    kc = rng.standard_normal((40, 128)).astype(np.float32)
+    vc = rng.standard_normal((40, 128)).astype(np.float32)
+    a = K.attention(q, kc, vc, pos, 2, scores=True, device="cpu")
+    b = K.attention(q, kc, vc, pos, 2, scores=True, device="cuda")
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+def test_argument_errors():
+    w, _ = random_weight("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="64 columns"):
+        K.matmul(w, np.zeros((2, 63), np.float32))
+    with pytest.raises(ValueError, match="bias"):
+        K.matmul(w, np.zeros(64, np.float32), bias=np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="bytes"):
+        K.Weight(np.zeros(10, np.uint8), "Q8_0", (4, 64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        K.Weight(np.zeros(10, np.uint8), "Q8_0", (1, 40))
+    with pytest.raises(ValueError, match="unknown weight type"):
+        K.Weight(np.zeros(10, np.uint8), "Q9_9", (1, 40))
+    with pytest.raises(ValueError, match="ids"):
+        K.embed(w, [4])
+    with pytest.raises(ValueError):
+        K.rmsnorm(np.zeros((2, 5), np.float32), np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="even"):
+        K.rope(np.zeros((1, 2, 5), np.float32), [0])
+    with pytest.raises(ValueError, match="multiple"):
+        K.attention(np.zeros((1, 3, 4), np.float32), np.zeros((2, 8), np.float32),
+                    np.zeros((2, 8), np.float32), [0], n_head_kv=2)
+    with pytest.raises(ValueError, match="n_kv"):
+        K.attention(np.zeros((1, 2, 4), np.float32), np.zeros((2, 8), np.float32),
+                    np.zeros((2, 8), np.float32), [5], n_head_kv=2)
+    with pytest.raises(ValueError, match="positions"):
+        K.kv_store(np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32), [3],
+                   np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError):
+        K.add(np.zeros(3, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(TypeError):
+        K.matmul("not a weight", np.zeros(3, np.float32))
+
+
+def test_bad_cuda_device_is_a_cuda_error():
+    """No GPU (or a CPU-only build): device='cuda' raises CudaError; with GPUs, an ordinal past
+    the last one does."""
+    info = qwencuda.build_info()
+    a = np.ones(3, np.float32)
+    if info["cuda"] and info["cuda_devices"] > 0:
+        with pytest.raises(qwencuda.CudaError, match=f"cuda:{info['cuda_devices']}"):
+            K.add(a, a, device=f"cuda:{info['cuda_devices']}")
+    else:
+        with pytest.raises(qwencuda.CudaError):
+            K.add(a, a, device="cuda")
+    with pytest.raises(ValueError, match="unknown device"):
+        K.add(a, a, device="tpu")
+
+
+@pytest.mark.gpu
+def test_release_and_recreate():
+    a = np.ones(5, np.float32)
+    np.testing.assert_array_equal(K.add(a, a, device="cuda"), 2 * a)
+    K.release("cuda")
+    np.testing.assert_array_equal(K.add(a, a, device="cuda"), 2 * a)
+    free, total = K.cuda_mem_info(0)
+    assert 0 < free <= total
+
+
+def test_time_matmul(device):
+    """The timing entry point of scripts/kernel_bench.py runs the same op."""
+    w, _ = random_weight("Q4_K", 16, 256, seed=21)
+    x = np.ones((1, 256), np.float32)
+    s = K.time_matmul(w, x, iters=3, device=device)
+    assert 0 < s < 10
