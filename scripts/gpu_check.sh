@@ -102,6 +102,10 @@ tot = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "
 passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
 print(f"{passed} passed, {tot['failures']} failed, {tot['errors']} errors, {tot['skipped']} skipped "
       f"(pytest exit {rc}, {secs} s)")
+# properties the tests recorded (e.g. whether CUDA's greedy tokens equal the CPU's)
+for case in root.iter("testcase"):
+    for prop in case.iter("property"):
+        print(f"  - {case.get('name')}: {prop.get('name')} = {prop.get('value')}")
 EOF
 )
     echo "tests: $test_summary"

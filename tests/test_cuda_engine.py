@@ -150,13 +150,14 @@ def _greedy(path, device, prompt, n_new, max_context=512):
 
 
 @pytest.mark.parametrize("weight_type", ["f16", "q8_0", "q4_k_m"])
-def test_qwen05b_greedy_matches_cpu(synth_dir, weight_type):
+def test_qwen05b_greedy_matches_cpu(synth_dir, weight_type, record_property):
     """Prefill 128 tokens, then 64 greedy steps: the same tokens as the CPU engine, or the first
     difference is a near-tie of the CPU's own logits (both logits reported)."""
     path = synth(synth_dir, "qwen2.5-0.5b", weight_type)
     prompt = _ids(128, 151936, seed=5)
     tc, lc = _greedy(path, "cuda", prompt, 64)
     tp, lp = _greedy(path, "cpu", prompt, 64)
+    record_property("tokens_equal", tc == tp)      # lands in the junit report of gpu_check.sh
     if tc != tp:
         i = next(k for k in range(len(tc)) if tc[k] != tp[k])
         a, b = tp[i], tc[i]
@@ -164,6 +165,7 @@ def test_qwen05b_greedy_matches_cpu(synth_dir, weight_type):
         msg = (f"{weight_type}: first difference at step {i}: cpu {a} (cpu logit {lp[i][a]:.5f}, cuda "
                f"{lc[i][a]:.5f}) vs cuda {b} (cpu logit {lp[i][b]:.5f}, cuda {lc[i][b]:.5f}); cpu gap {gap:.5f}")
         print(msg)
+        record_property("first_difference", msg)
         assert gap <= 0.05 * max(1.0, float(np.std(lp[i]))), msg
     # logits of the first step agree closely
     assert norm_err(lc[0], lp[0]) <= (FP32_TOL if weight_type == "f32" else F16_TOL)

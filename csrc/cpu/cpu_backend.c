@@ -1,5 +1,7 @@
-/* cpu_backend.c: the CPU backend: creation, memory, and the ops table (ops in cpu_ops.c).
- * "Backend memory" is plain host memory, and weights alias the file mapping (no copy). */
+/* cpu_backend.c: the CPU backend: creation, memory, and the ops table (ops in cpu_ops.c, the
+ * thread pool in cpu_pool.c). "Backend memory" is plain host memory, and weights alias the file
+ * mapping (no copy). threads <= 0 means one per online core; the pool lives as long as the
+ * backend and destroy joins it. */
 #include "cpu_backend.h"
 
 #include <stdlib.h>
@@ -57,14 +59,18 @@ static void cpu_destroy(qc_backend *be) {
 int qc_cpu_scratch(qc_backend *be, size_t floats_per_thread) {
     qc_cpu_state *st = be->impl;
     if (floats_per_thread <= st->scratch_floats) return 0;
+    /* Grow geometrically, so that a prefill of slowly increasing length reallocates rarely;
+     * 64-byte aligned like every activation. The old contents are not needed. */
+    size_t want = st->scratch_floats * 2 > floats_per_thread ? st->scratch_floats * 2 : floats_per_thread;
+    size_t bytes = (want * sizeof(float) + 63) & ~(size_t)63;
     for (int i = 0; i < st->n_scratch; i++) {
-        float *grown = realloc(st->scratch[i], floats_per_thread * sizeof(float));
+        float *grown = aligned_alloc(64, bytes);
         if (!grown)
-            return qc_fail(&be->err, QC_ERR_NOMEM, "cpu: cannot allocate %zu bytes of scratch",
-                           floats_per_thread * sizeof(float));
+            return qc_fail(&be->err, QC_ERR_NOMEM, "cpu: cannot allocate %zu bytes of scratch", bytes);
+        free(st->scratch[i]);
         st->scratch[i] = grown;
     }
-    st->scratch_floats = floats_per_thread;
+    st->scratch_floats = want;
     return 0;
 }
 
@@ -105,9 +111,9 @@ int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err) {
         threads = 256;
     be->threads = threads;
     st->pool = qc_pool_create(threads);
-    st->n_scratch = threads;
     st->scratch = calloc((size_t)threads, sizeof *st->scratch);
     if (!st->pool || !st->scratch) goto nomem;
+    st->n_scratch = threads;   /* only now: cpu_destroy frees n_scratch entries */
     *out = be;
     return 0;
 nomem:

@@ -224,7 +224,9 @@ static void attention_items(void *ctx, int64_t begin, int64_t end, int worker) {
     attn_job *j = ctx;
     const int hd = j->head_dim, group = j->n_head / j->n_head_kv, kv_dim = j->n_head_kv * hd;
     const float scale = 1.0f / sqrtf((float)hd);
-    float *s = state(j->be)->scratch[worker];           /* [n_kv] scores, then probabilities */
+    /* this thread's scratch: e[n_kv] float64 exponentials, then s[n_kv] scores/probabilities */
+    double *e = (double *)state(j->be)->scratch[worker];
+    float *s = (float *)(e + j->n_kv);
     for (int64_t item = begin; item < end; item++) {
         const int h = (int)(item / j->n), t = (int)(item % j->n);
         const int kvh = h / group;                      /* GQA: query head h reads KV head h/group */
@@ -243,8 +245,11 @@ static void attention_items(void *ctx, int64_t begin, int64_t end, int worker) {
         }
         /* Numerically stable softmax: subtract the max, sum the exponentials in float64. */
         double denom = 0.0;
-        for (int k = 0; k <= last; k++) denom += exp((double)s[k] - (double)maxs);
-        for (int k = 0; k <= last; k++) s[k] = (float)(exp((double)s[k] - (double)maxs) / denom);
+        for (int k = 0; k <= last; k++) {
+            e[k] = exp((double)s[k] - (double)maxs);
+            denom += e[k];
+        }
+        for (int k = 0; k <= last; k++) s[k] = (float)(e[k] / denom);
         float *o = j->out + (size_t)t * j->n_head * (size_t)hd + (size_t)h * hd;
         for (int d = 0; d < hd; d++) o[d] = 0.0f;
         for (int k = 0; k <= last; k++) {
@@ -271,7 +276,7 @@ int qc_cpu_attention(qc_backend *be, const float *q, const float *k_cache, const
             return qc_fail(&be->err, QC_ERR_RANGE, "attention: position %d of query %d is outside "
                            "[0, %d)", pos[t], t, n_kv);
     if (n == 0) return 0;
-    if (qc_cpu_scratch(be, (size_t)n_kv) < 0) return -1;
+    if (qc_cpu_scratch(be, 3 * (size_t)n_kv) < 0) return -1;
     attn_job job = {be, q, k_cache, v_cache, pos, n, n_kv, n_head, n_head_kv, head_dim,
                     out, scores, probs};
     const int64_t items = (int64_t)n_head * n;
