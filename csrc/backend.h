@@ -80,6 +80,16 @@ typedef struct qc_backend_ops {
     int (*add)(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
     /* out[i] = index of the largest value of row i of x[n][cols] (first one on ties). */
     int (*argmax)(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
+
+    /* ---- optional (NULL where unsupported): record a sequence of ops once, replay it ----
+     * Between record_begin and record_end the ops are recorded, not run; replay runs the
+     * recording with the argument values it was recorded with (pointers included), so only
+     * what the ops read from backend memory (ids, positions) may change between replays. The
+     * CUDA backend records a CUDA graph: a decode step becomes one launch instead of ~360. */
+    int (*record_begin)(qc_backend *be);
+    int (*record_end)(qc_backend *be, void **recording);   /* ends it even after a failed op */
+    int (*replay)(qc_backend *be, void *recording);
+    void (*recording_free)(qc_backend *be, void *recording); /* NULL ok */
 } qc_backend_ops;
 
 struct qc_backend {

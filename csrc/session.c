@@ -59,6 +59,8 @@ struct qc_session {
     size_t score_cap;         /* elements */
     float **k_cache;          /* [n_layer] (max_ctx, n_head_kv * head_dim), after RoPE */
     float **v_cache;          /* [n_layer] (max_ctx, n_head_kv * head_dim) */
+    void *decode_rec;         /* the recorded decode step (backend replay), or NULL */
+    int no_replay;            /* recording failed once on this backend: run ops plainly */
     unsigned char *want;      /* [CAP_N_GLOBAL + n_layer * L_N_NAMES] capture this eval? */
     int n_wanted;             /* nonzero entries of want */
 };
@@ -216,6 +218,12 @@ static int scratch_build(qc_backend *be, const qc_config *c, int rows, qc_scratc
     return 0;
 }
 
+/* A recording holds the buffer pointers it was made with: forget it when they change. */
+static void drop_recording(qc_session *s) {
+    if (s->decode_rec) s->be->ops->recording_free(s->be, s->decode_rec);
+    s->decode_rec = NULL;
+}
+
 /* Room for n tokens; on failure the old buffers are kept, so the session stays usable. */
 static int ensure_rows(qc_session *s, int n, qc_error *err) {
     qc_scratch bigger;
@@ -227,6 +235,7 @@ static int ensure_rows(qc_session *s, int n, qc_error *err) {
         scratch_free(s->be, &bigger);
         return qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
     }
+    drop_recording(s);
     scratch_free(s->be, &s->sc);
     free(s->host_pos);
     s->sc = bigger;
@@ -243,6 +252,7 @@ static int ensure_logit_rows(qc_session *s, int rows, qc_error *err) {
         buf_free(s->be, &logits);
         return -1;
     }
+    drop_recording(s);
     buf_free(s->be, &s->logits);
     buf_free(s->be, &s->amax);
     s->logits = logits;
@@ -284,6 +294,9 @@ int qc_session_create(qc_model *m, int max_ctx, qc_session **out, qc_error *err)
     s->m = m;
     s->be = m->be;
     s->max_ctx = max_ctx;
+    /* QWENCUDA_NO_GRAPHS=1 runs every decode step op by op (to measure or to debug replay) */
+    const char *no_graphs = getenv("QWENCUDA_NO_GRAPHS");
+    s->no_replay = no_graphs && *no_graphs && strcmp(no_graphs, "0") != 0;
     s->k_cache = calloc((size_t)c->n_layer, sizeof *s->k_cache);
     s->v_cache = calloc((size_t)c->n_layer, sizeof *s->v_cache);
     s->want = calloc(CAP_N_GLOBAL + (size_t)c->n_layer * L_N_NAMES, 1);
@@ -312,6 +325,7 @@ fail:
 void qc_session_free(qc_session *s) {
     if (s == NULL) return;
     qc_backend *be = s->be;
+    drop_recording(s);
     for (int64_t l = 0; l < s->m->cfg.n_layer; l++) {
         if (s->k_cache) buf_free(be, &s->k_cache[l]);
         if (s->v_cache) buf_free(be, &s->v_cache[l]);
@@ -344,9 +358,12 @@ int qc_session_rewind(qc_session *s, int n, qc_error *err) {
 /* ---------------------------------------------------------------------------------------- */
 /* the forward pass */
 
-int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
-                    const qc_capture_spec *spec, qc_capture *capture,
-                    float *logits, int32_t *argmax, qc_error *err) {
+/* The forward pass proper: every op from the embedding to the argmax, on the backend. It only
+ * reads and writes backend memory (and copies captured tensors out), so that a decode step can
+ * be recorded once and replayed. */
+static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits, int want_head,
+                       int do_argmax, float *scores, float *probs, qc_capture *capture,
+                       qc_error *err) {
     const qc_model *m = s->m;
     const qc_config *c = &m->cfg;
     qc_backend *be = s->be;
@@ -356,32 +373,6 @@ int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
     const int n_head = (int)c->n_head, n_head_kv = (int)c->n_head_kv;
     const int q_dim = n_head * hd, kv_dim = n_head_kv * hd;
     const float eps = c->norm_eps;
-
-    /* Everything that can be wrong with the request is checked before any work. */
-    if (n < 1) return qc_fail(err, QC_ERR_VALUE, "no tokens to evaluate");
-    if (n > s->max_ctx - s->pos)
-        return qc_fail(err, QC_ERR_RANGE, "context full: %d tokens at position %d exceed max_context %d",
-                       n, s->pos, s->max_ctx);
-    for (int t = 0; t < n; t++)
-        if (ids[t] < 0 || ids[t] >= c->n_vocab)
-            return qc_fail(err, QC_ERR_RANGE, "token id %d at ids[%d] (position %d) is out of range [0, %lld)",
-                           (int)ids[t], t, s->pos + t, (long long)c->n_vocab);
-
-    const int n_kv = s->pos + n;                    /* keys visible to the last token */
-    const int n_captured = mark_wanted(s, capture ? spec : NULL);
-    const int want_scores = n_captured && (any_layer_wants(s, L_ATTN_SCORES) || any_layer_wants(s, L_ATTN_PROBS));
-    const int want_head = logits || argmax || s->want[CAP_OUTPUT_NORM] || s->want[CAP_LOGITS] || s->want[CAP_ARGMAX];
-    const int rows = all_logits ? n : 1;            /* lm_head rows */
-    if (ensure_rows(s, n, err) < 0) return -1;
-    if (want_head && ensure_logit_rows(s, rows, err) < 0) return -1;
-    if (want_scores && ensure_scores(s, (size_t)n_head * (size_t)n * (size_t)n_kv, err) < 0) return -1;
-    float *scores = want_scores ? s->scores : NULL, *probs = want_scores ? s->probs : NULL;
-
-    /* token ids and positions reach the backend once per eval */
-    for (int t = 0; t < n; t++) s->host_pos[t] = s->pos + t;
-    if (op->upload(be, sc->ids, ids, (size_t)n * sizeof(int32_t)) < 0 ||
-        op->upload(be, sc->pos, s->host_pos, (size_t)n * sizeof(int32_t)) < 0)
-        goto backend_fail;
 
     /* embed: x = token_embd[ids] */
     if (op->embed(be, &m->tok_embd, sc->ids, n, sc->x) < 0) goto backend_fail;
@@ -469,13 +460,85 @@ int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
             goto fail;
 
         /* argmax: the first largest logit of each row */
-        if (argmax || s->want[CAP_ARGMAX]) {
+        if (do_argmax) {
             if (op->argmax(be, s->logits, rows, c->n_vocab, s->amax) < 0) goto backend_fail;
             if (capture_global(s, capture, CAP_ARGMAX, s->amax, QC_DTYPE_I32, 1, rows, 0, err) < 0)
                 goto fail;
-            if (argmax && op->download(be, argmax, s->amax, (size_t)rows * sizeof(int32_t)) < 0)
-                goto backend_fail;
         }
+    }
+    return 0;
+backend_fail:
+    qc_fail(err, be->err.kind, "%s", be->err.msg);
+fail:
+    return -1;
+}
+
+int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
+                    const qc_capture_spec *spec, qc_capture *capture,
+                    float *logits, int32_t *argmax, qc_error *err) {
+    const qc_model *m = s->m;
+    const qc_config *c = &m->cfg;
+    qc_backend *be = s->be;
+    const qc_backend_ops *op = be->ops;
+    qc_scratch *sc = &s->sc;
+    const int n_head = (int)c->n_head;
+
+    /* Everything that can be wrong with the request is checked before any work. */
+    if (n < 1) return qc_fail(err, QC_ERR_VALUE, "no tokens to evaluate");
+    if (n > s->max_ctx - s->pos)
+        return qc_fail(err, QC_ERR_RANGE, "context full: %d tokens at position %d exceed max_context %d",
+                       n, s->pos, s->max_ctx);
+    for (int t = 0; t < n; t++)
+        if (ids[t] < 0 || ids[t] >= c->n_vocab)
+            return qc_fail(err, QC_ERR_RANGE, "token id %d at ids[%d] (position %d) is out of range [0, %lld)",
+                           (int)ids[t], t, s->pos + t, (long long)c->n_vocab);
+
+    const int n_kv = s->pos + n;                    /* keys visible to the last token */
+    const int n_captured = mark_wanted(s, capture ? spec : NULL);
+    const int want_scores = n_captured && (any_layer_wants(s, L_ATTN_SCORES) || any_layer_wants(s, L_ATTN_PROBS));
+    const int want_head = logits || argmax || s->want[CAP_OUTPUT_NORM] || s->want[CAP_LOGITS] || s->want[CAP_ARGMAX];
+    const int rows = all_logits ? n : 1;            /* lm_head rows */
+    if (ensure_rows(s, n, err) < 0) return -1;
+    if (want_head && ensure_logit_rows(s, rows, err) < 0) return -1;
+    if (want_scores && ensure_scores(s, (size_t)n_head * (size_t)n * (size_t)n_kv, err) < 0) return -1;
+    float *scores = want_scores ? s->scores : NULL, *probs = want_scores ? s->probs : NULL;
+
+    /* token ids and positions reach the backend once per eval */
+    for (int t = 0; t < n; t++) s->host_pos[t] = s->pos + t;
+    if (op->upload(be, sc->ids, ids, (size_t)n * sizeof(int32_t)) < 0 ||
+        op->upload(be, sc->pos, s->host_pos, (size_t)n * sizeof(int32_t)) < 0)
+        goto backend_fail;
+
+    /* A decode step (one token, nothing captured) on a backend that can record: the ops are
+     * recorded once and the recording is replayed at every later step, one launch instead of
+     * hundreds. Only the uploaded id and position differ between replays. */
+    const int replayable = n == 1 && n_captured == 0 && want_head && op->replay && !s->no_replay;
+    const int do_argmax = replayable || argmax || s->want[CAP_ARGMAX];
+    if (replayable && s->decode_rec) {
+        if (op->replay(be, s->decode_rec) < 0) goto backend_fail;
+    } else if (replayable && op->record_begin(be) == 0) {
+        void *rec = NULL;
+        int ran = forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, scores, probs,
+                              capture, err);
+        if (op->record_end(be, &rec) == 0 && ran == 0) {
+            s->decode_rec = rec;
+            if (op->replay(be, rec) < 0) goto backend_fail;
+        } else {
+            /* not recordable here after all: run the ops plainly from now on */
+            op->recording_free(be, rec);
+            s->no_replay = 1;
+            if (forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, scores, probs,
+                            capture, err) < 0)
+                return -1;
+        }
+    } else if (forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, scores, probs,
+                           capture, err) < 0) {
+        return -1;
+    }
+
+    if (want_head) {
+        if (argmax && op->download(be, argmax, s->amax, (size_t)rows * sizeof(int32_t)) < 0)
+            goto backend_fail;
         if (logits && op->download(be, logits, s->logits,
                                    (size_t)rows * (size_t)c->n_vocab * sizeof(float)) < 0)
             goto backend_fail;
@@ -487,6 +550,5 @@ int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
     return 0;
 backend_fail:
     qc_fail(err, be->err.kind, "%s", be->err.msg);
-fail:
     return -1;
 }

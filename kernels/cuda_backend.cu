@@ -200,6 +200,41 @@ static int op_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* recording: a decode step captured once as a CUDA graph and replayed every step */
+
+static int cu_record_begin(qc_backend *be) {
+    if (use_device(be) < 0) return -1;
+    /* thread-local mode: other threads' CUDA calls are neither captured nor forbidden */
+    return QC_CUDA(be, cudaStreamBeginCapture(qc_cuda_of(be)->stream, cudaStreamCaptureModeThreadLocal));
+}
+
+static int cu_record_end(qc_backend *be, void **recording) {
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    *recording = NULL;
+    cudaError_t e = cudaStreamEndCapture(qc_cuda_of(be)->stream, &graph);
+    if (e != cudaSuccess) {
+        if (graph) cudaGraphDestroy(graph);
+        return qc_cuda_fail(be, e, "cudaStreamEndCapture", __FILE__, __LINE__);
+    }
+    e = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (e != cudaSuccess) return qc_cuda_fail(be, e, "cudaGraphInstantiate", __FILE__, __LINE__);
+    *recording = exec;
+    return 0;
+}
+
+static int cu_replay(qc_backend *be, void *recording) {
+    if (use_device(be) < 0) return -1;
+    return QC_CUDA(be, cudaGraphLaunch((cudaGraphExec_t)recording, qc_cuda_of(be)->stream));
+}
+
+static void cu_recording_free(qc_backend *be, void *recording) {
+    if (recording == NULL || use_device(be) < 0) return;
+    if (cudaGraphExecDestroy((cudaGraphExec_t)recording) != cudaSuccess) cudaGetLastError();
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* build / destroy */
 
 static void cu_destroy(qc_backend *be) {
@@ -224,6 +259,7 @@ static const qc_backend_ops cuda_ops = {
     cu_synchronize, cu_destroy,
     op_embed, op_rmsnorm, op_matmul, op_rope, op_kv_store, op_attention, op_swiglu, op_add,
     op_argmax,
+    cu_record_begin, cu_record_end, cu_replay, cu_recording_free,
 };
 
 extern "C" int qc_cuda_device_count(void) {
