@@ -53,7 +53,8 @@ typedef struct qc_backend_ops {
     /* ---- ops ---- */
     /* out[i][:] = dequantized row ids[i] of table; table is (rows, cols), out is [n][cols]. */
     int (*embed)(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out);
-    /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, accumulated in float32. */
+    /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w: sum of squares in float64, scaling in
+     * float32 (ggml's order). */
     int (*rmsnorm)(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
                    float *out);
     /* out[n][rows] = x[n][cols] @ W^T (+ bias[rows] when bias is not NULL). */

@@ -50,7 +50,9 @@ typedef enum {
     QC_TYPE_TQ1_0 = 34,
     QC_TYPE_TQ2_0 = 35,
     QC_TYPE_MXFP4 = 39,
-    QC_TYPE_COUNT = 40,   /* one past the largest value this table knows */
+    QC_TYPE_NVFP4 = 40,
+    QC_TYPE_Q1_0 = 41,
+    QC_TYPE_COUNT = 42,   /* one past the largest value this table knows */
 } qc_type;
 
 #define QC_QK 32      /* elements per block of the legacy formats */
@@ -146,7 +148,8 @@ int64_t qc_row_bytes(uint32_t t, int64_t n);
 int qc_dequantize(uint32_t t, const void *src, float *dst, int64_t nrows, int64_t ncols, qc_error *err);
 
 /* Dot product of one stored row (ncols elements of type t) with a float vector x. Used by
- * the CPU backend's matmul: it reads the weights block by block, never a float copy. */
+ * the CPU backend's matmul: it dequantizes 256 elements at a time into a stack buffer (never a
+ * float copy of the row) and equals, bit for bit, the F32 dot of the dequantized row. */
 float qc_dot_row(uint32_t t, const void *row, const float *x, int64_t ncols);
 
 #ifdef __cplusplus

@@ -14,17 +14,24 @@ nbclient = pytest.importorskip("nbclient")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NOTEBOOKS = os.path.join(os.path.dirname(HERE), "notebooks")
-NAMES = ["01_quickstart.ipynb", "02_debugging.ipynb"]
+CASES = [
+    ("01_quickstart.ipynb", "model"),
+    # no model can be found: the quickstart falls back to a synthetic model and still runs
+    ("01_quickstart.ipynb", "synthetic"),
+    ("02_debugging.ipynb", "model"),
+]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_notebook_runs(name, monkeypatch, tmp_path):
+@pytest.mark.parametrize("name,which", CASES)
+def test_notebook_runs(name, which, monkeypatch, tmp_path):
     path = os.path.join(NOTEBOOKS, name)
     if not os.path.exists(path):
         pytest.skip(f"{name} is not written yet")
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(qwencuda.__file__)))
     old = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", package_root + (os.pathsep + old if old else ""))
+    if which == "synthetic":
+        monkeypatch.setenv("QWENCUDA_MODEL", str(tmp_path / "no-such-model.gguf"))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3",
@@ -37,3 +44,7 @@ def test_notebook_runs(name, monkeypatch, tmp_path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+    if which == "synthetic" and name.startswith("01"):
+        printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                          for o in c.get("outputs", []))
+        assert "using a synthetic one" in printed
