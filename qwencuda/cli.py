@@ -34,7 +34,7 @@ def _model_path(explicit):
     except ModelNotInstalledError:
         raise _NoModel(NO_MODEL_HELP) from None
     except FileNotFoundError as exc:
-        raise _NoModel(f"{exc}. {NO_MODEL_HELP}") from None
+        raise _NoModel(str(exc)) from None
 
 
 def _open_model(args):

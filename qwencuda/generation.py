@@ -52,9 +52,10 @@ class GenerationStream:
     """An iterator of text pieces; `.result` holds the Generation once it is exhausted
     (or closed: then stop_reason is "cancelled")."""
 
-    def __init__(self, gen):
-        self._gen = gen
+    def __init__(self, run):
+        """run(stream) -> a generator of pieces that sets stream.result when it ends."""
         self.result = None
+        self._gen = run(self)
 
     def __iter__(self):
         return self
@@ -303,8 +304,7 @@ def generate(model, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=
     plan = _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p,
                  repeat_penalty, repeat_last_n, seed, stop, allow_special, chat, system,
                  progress, max_context)
-    it = GenerationStream(None)
-    it._gen = _run(model, plan, it)
+    it = GenerationStream(lambda stream: _run(model, plan, stream))
     if stream:
         return it
     for _ in it:

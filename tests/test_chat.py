@@ -63,17 +63,11 @@ TOOLS_EXPECTED = (
 
 
 def _template_from_file(path):
-    """The file's tokenizer.chat_template, through qwencuda if it can, else the gguf package."""
-    try:
-        import qwencuda as qc
+    """The file's tokenizer.chat_template, as the metadata stores it."""
+    import qwencuda as qc
 
-        with qc.GGUFFile(path) as f:
-            return f.metadata.get("tokenizer.chat_template")
-    except (ImportError, AttributeError):
-        from gguf import GGUFReader
-
-        field = GGUFReader(path).fields.get("tokenizer.chat_template")
-        return None if field is None else field.contents()
+    with qc.GGUFFile(path) as f:
+        return f.metadata.get("tokenizer.chat_template")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +84,16 @@ def test_real_template_matches_hf(real_template, messages, agp, expected):
 
 
 @pytest.mark.realmodel
+def test_render_for_uses_the_files_template(real_model_path, real_template):
+    import qwencuda as qc
+
+    tok = qc.Tokenizer(real_model_path)
+    assert tok.chat_template == real_template
+    messages, agp, expected = QWEN_CASES[0]
+    assert chat_mod.render_for(tok, messages, add_generation_prompt=agp) == expected
+
+
+@pytest.mark.realmodel
 def test_real_template_with_tools(real_template):
     out = render_chat(real_template, [{"role": "user", "content": "Time?"}], tools=TOOLS)
     assert out == TOOLS_EXPECTED
@@ -97,9 +101,10 @@ def test_real_template_with_tools(real_template):
 
 @pytest.fixture(scope="module")
 def synthetic_template(tmp_path_factory):
-    testing = pytest.importorskip("qwencuda.testing")
+    import qwencuda as qc
+
     path = str(tmp_path_factory.mktemp("chat") / "tiny.gguf")
-    testing.write_model(path, config="tiny", weight_type="f32")
+    qc.testing.write_model(path, config="tiny", weight_type="f32")
     return _template_from_file(path)
 
 

@@ -131,7 +131,6 @@ def test_chat_repl_piped(fake_model, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert out == "Sure.\nSure.\nSure.\n"
     assert "reset" in err and ">>>" not in err       # no prompt decorations when piped
-    tok = fake_model.model.tokenizer
     prompts = [c[0] for c in fake_model.calls]
     assert prompts[0] == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                           "<|im_start|>assistant\n")
@@ -139,7 +138,6 @@ def test_chat_repl_piped(fake_model, capsys, monkeypatch):
                           "<|im_start|>assistant\nSure.<|im_end|>\n<|im_start|>user\nAnd?<|im_end|>\n"
                           "<|im_start|>assistant\n")
     assert prompts[2] == prompts[0].replace("Hi", "Hello")
-    assert tok is not None
 
 
 def test_chat_repl_eof_and_overflow(fake_model, capsys, monkeypatch):
@@ -204,8 +202,7 @@ def test_info(capsys, monkeypatch, no_model):
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    testing = pytest.importorskip("qwencuda.testing")
-    return str(testing.write_model(str(tmp_path_factory.mktemp("cli") / "tiny.gguf"),
+    return str(qc.testing.write_model(str(tmp_path_factory.mktemp("cli") / "tiny.gguf"),
                                    config="tiny", weight_type="f32", seed=5))
 
 
@@ -228,13 +225,11 @@ def test_generate_chat_mode_on_tiny_model(tiny_path, capsys):
 
 
 def test_inspect_on_tiny_model(tiny_path, capsys):
-    pytest.importorskip("qwencuda.inspect")
     assert cli.main(["inspect", tiny_path]) == 0
     assert "qwen2" in capsys.readouterr().out
 
 
 def test_not_a_gguf_exit_1(tmp_path, capsys):
-    pytest.importorskip("qwencuda.model")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(100))
     assert cli.main(["generate", "--model", str(bad), "hi"]) == 1

@@ -243,3 +243,4 @@ def test_real_assembly(tmp_path, monkeypatch):
         assert fh.read(4) == b"GGUF"
     assert dm._hash_file(path) == dm.MODEL_SHA256
     assert sorted(os.listdir(tmp_path)) == [dm.MODEL_FILENAME, dm.MODEL_FILENAME + ".verified"]
+    os.remove(path)                 # pytest keeps old tmp folders: do not leave 491 MB behind

@@ -203,8 +203,7 @@ def test_eos_token_is_not_stepped(fake):
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    testing = pytest.importorskip("qwencuda.testing")
-    return str(testing.write_model(str(tmp_path_factory.mktemp("gen") / "tiny.gguf"),
+    return str(qc.testing.write_model(str(tmp_path_factory.mktemp("gen") / "tiny.gguf"),
                                    config="tiny", weight_type="f32", seed=3))
 
 
@@ -263,10 +262,10 @@ def test_tiny_stop_string(tiny):
     assert g2.text == g.text[: g.text.find(stop)]
 
 
-def test_model_generate_method(tiny):
-    if not hasattr(tiny, "generate"):
-        pytest.skip("Model.generate not there yet")
+def test_model_generate_and_chat_methods(tiny):
     assert tiny.generate("Hello", max_new_tokens=4).tokens == generate(tiny, "Hello", max_new_tokens=4).tokens
+    msgs = [{"role": "user", "content": "Hello"}]
+    assert tiny.chat(msgs, max_new_tokens=4).tokens == generate(tiny, "Hello", chat=True, max_new_tokens=4).tokens
 
 
 # ------------------------------------------------------------------------------ real model
@@ -279,9 +278,23 @@ def real(real_model_path):
 
 @pytest.mark.realmodel
 def test_real_chat_stops_at_im_end(real):
-    g = qc.chat.chat(real, [{"role": "user", "content": "Reply with just the word: yes"}],
-                     max_new_tokens=16)
+    g = real.chat([{"role": "user", "content": "Reply with just the word: yes"}], max_new_tokens=16)
     assert g.stop_reason == "eos"
     assert g.tokens[-1] == real.tokenizer.special_ids["<|im_end|>"]
     assert "<|im_end|>" not in g.text
     assert "yes" in g.text.lower()
+
+
+@pytest.mark.realmodel
+def test_real_stream_never_splits_characters(real):
+    """Rare characters take several byte-level tokens each; the stream must hold the bytes
+    back until a character is complete."""
+    it = real.chat([{"role": "user", "content": "Repeat exactly: 🧬🪐 ꙮ"}], max_new_tokens=12,
+                   stream=True)
+    pieces = list(it)
+    g = it.result
+    assert "".join(pieces) == g.text
+    assert not any("\ufffd" in p for p in pieces)
+    split = [t for t in g.tokens if "\ufffd" in real.tokenizer.decode([t])]
+    assert split, "expected some tokens that are partial UTF-8 characters"
+    assert "🧬" in g.text or "🪐" in g.text
