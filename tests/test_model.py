@@ -344,3 +344,19 @@ def test_trace_save_load_and_repr(tmp_path):
     with pytest.raises(KeyError, match="not captured"):
         tr["blk.1.q"]
     assert "blk.0.q" in tr and len(tr) == 2 and dict(tr.items()).keys() == tr.keys()
+
+
+# ---------------------------------------------------------------------------------------------
+# bench (figures are reported, never asserted)
+
+def test_run_bench_and_format_bench():
+    from qwencuda.bench import format_bench, run_bench
+
+    r = run_bench(model_file("tiny", "q8_0"), "cpu", prompt_tokens=8, gen_tokens=4, repeats=2)
+    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and len(r["decode_s"]) == 2
+    assert r["type_mix"] == {"Q8_0": 16} and r["lm_head_type"] == "Q8_0" and r["device"] == "cpu"
+    assert r["machine"]["cpu"] and r["machine"]["gpu"] is None
+    text = format_bench(r)
+    assert "prefill" in text and "decode" in text and "tok/s" in text and "Q8_0 x16" in text
+    with pytest.raises(ValueError):
+        run_bench(model_file("tiny"), "cpu", prompt_tokens=0)
