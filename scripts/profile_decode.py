@@ -1,0 +1,63 @@
+"""Where a decode step's time goes, kernel by kernel, on the GPU.
+
+    python scripts/profile_decode.py run MODEL [PROMPT_TOKENS] [STEPS]
+        prefill, then STEPS decode steps op by op (QWENCUDA_NO_GRAPHS=1, so that a kernel
+        profiler sees each launch); meant to run under Nsight Compute:
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+            python scripts/profile_decode.py run MODEL > ncu.csv
+    python scripts/profile_decode.py report ncu.csv
+        the last decode step (the kernels after the second-to-last argmax): time per kernel
+        name, count, share, and the step's total.
+"""
+import csv
+import os
+import sys
+from collections import defaultdict
+
+
+def run(model, prompt_tokens=512, steps=3):
+    os.environ["QWENCUDA_NO_GRAPHS"] = "1"
+    import qwencuda
+
+    with qwencuda.Model(model, device="cuda") as m, m.session(max_context=prompt_tokens + steps + 1) as s:
+        ids = [(1000 + 7 * i) % m.config.n_vocab for i in range(prompt_tokens)]
+        tr = s.prefill(ids)
+        token = int(tr.argmax[-1])
+        for _ in range(steps):
+            token = int(s.step(token).argmax[-1])
+
+
+def report(path):
+    launches = []
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]      # ncu prints other lines first
+    for row in csv.DictReader(lines):
+        value = row.get("gpu__time_duration.sum", "")
+        try:
+            ns = float(value.replace(",", ""))
+        except ValueError:
+            continue                                          # the units row
+        launches.append((row["Kernel Name"], ns))
+    ends = [i for i, (name, _) in enumerate(launches) if "argmax" in name]
+    if len(ends) < 2:
+        raise SystemExit("need at least two evals (argmax launches) in the profile")
+    step = launches[ends[-2] + 1: ends[-1] + 1]
+    total = sum(ns for _, ns in step)
+    by_name = defaultdict(lambda: [0, 0.0])
+    for name, ns in step:
+        short = name.split("(")[0]
+        by_name[short][0] += 1
+        by_name[short][1] += ns
+    print(f"one decode step: {len(step)} kernels, {total / 1e3:.1f} us of kernel time")
+    print(f"{'kernel':60s} {'count':>5s} {'us':>9s} {'share':>6s}")
+    for name, (count, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name[:60]:60s} {count:5d} {ns / 1e3:9.1f} {100 * ns / total:5.1f}%")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "run":
+        run(sys.argv[2], *(int(a) for a in sys.argv[3:5]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "report":
+        report(sys.argv[2])
+    else:
+        raise SystemExit(__doc__)
