@@ -31,13 +31,11 @@ def report(path):
     launches = []
     with open(path, newline="") as f:
         lines = [ln for ln in f if ln.startswith('"')]      # ncu prints other lines first
-    for row in csv.DictReader(lines):
-        value = row.get("gpu__time_duration.sum", "")
-        try:
-            ns = float(value.replace(",", ""))
-        except ValueError:
-            continue                                          # the units row
-        launches.append((row["Kernel Name"], ns))
+    for row in csv.DictReader(lines):                         # one row per kernel and metric
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        scale = {"ns": 1.0, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6}.get(row["Metric Unit"], 1.0)
+        launches.append((row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * scale))
     ends = [i for i, (name, _) in enumerate(launches) if "argmax" in name]
     if len(ends) < 2:
         raise SystemExit("need at least two evals (argmax launches) in the profile")
