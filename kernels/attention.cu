@@ -122,6 +122,111 @@ qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cac
     }
 }
 
+/* ---- split-K attention for short evals (decode) -----------------------------------------
+ * A decode step has only n_head blocks above, each walking every key: at 513 keys that took
+ * 34 us a layer on an H100 (a quarter of the step). Here the keys are spread over
+ * QC_ATT_SPLITS blocks per (head, token): block `split` and its groups take keys
+ * split * groups + group, then every splits * groups keys, each keeping an online softmax; the
+ * block merges its groups into one unnormalised partial (m, l, acc[head_dim]) and the combine
+ * kernel merges the splits. The grid depends on (n_head, n) only, never on the position. */
+#define QC_ATT_SPLITS 32
+#define QC_ATT_SPLIT_THREADS 128
+
+template <int G>
+__global__ void __launch_bounds__(QC_ATT_SPLIT_THREADS)
+qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__ k_cache,
+                          const float *__restrict__ v_cache, const int32_t *__restrict__ pos,
+                          int n_head, int n_head_kv, int head_dim, float scale,
+                          float *__restrict__ part) {
+    extern __shared__ float smem[];
+    const int h = blockIdx.x, split = blockIdx.y, t = blockIdx.z, splits = gridDim.y;
+    const int kvh = h / (n_head / n_head_kv);
+    const int kv_dim = n_head_kv * head_dim;
+    const int lane = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
+    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
+    const int last = pos[t];
+    float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
+    const float *qv = q + ((int64_t)t * n_head + h) * head_dim;
+#pragma unroll
+    for (int i = 0; i < QC_ATT_MAXD; i++) {
+        const int d = lane + i * G;
+        qr[i] = d < head_dim ? qv[d] : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    for (int j = split * groups + group; j <= last; j += splits * groups) {
+        const float *kr = k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
+        const float *vr = v_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QC_ATT_MAXD; i++) {
+            const int d = lane + i * G;
+            if (d < head_dim) s = fmaf(qr[i], kr[d], s);
+        }
+#pragma unroll
+        for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(gmask, s, off, G);
+        s *= scale;
+        const float m_new = fmaxf(m, s);
+        const float corr = expf(m - m_new);
+        const float p = expf(s - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int i = 0; i < QC_ATT_MAXD; i++) {
+            const int d = lane + i * G;
+            if (d < head_dim) acc[i] = fmaf(p, vr[d], acc[i] * corr);
+        }
+        m = m_new;
+    }
+    float *sm_m = smem, *sm_l = smem + groups, *sm_acc = smem + 2 * groups;
+    if (lane == 0) { sm_m[group] = m; sm_l[group] = l; }
+#pragma unroll
+    for (int i = 0; i < QC_ATT_MAXD; i++) {
+        const int d = lane + i * G;
+        if (d < head_dim) sm_acc[group * head_dim + d] = acc[i];
+    }
+    __syncthreads();
+    /* a split with no keys (short contexts) leaves m = -inf, l = 0: the combine skips it */
+    float M = -INFINITY;
+    for (int g = 0; g < groups; g++) M = fmaxf(M, sm_m[g]);
+    float *out = part + (((int64_t)t * n_head + h) * splits + split) * (head_dim + 2);
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        for (int g = 0; g < groups; g++)
+            if (sm_m[g] != -INFINITY) L += sm_l[g] * expf(sm_m[g] - M);
+        out[0] = M;
+        out[1] = L;
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float v = 0.0f;
+        for (int g = 0; g < groups; g++)
+            if (sm_m[g] != -INFINITY) v += sm_acc[g * head_dim + d] * expf(sm_m[g] - M);
+        out[2 + d] = v;
+    }
+}
+
+/* out[t][h] = sum over splits of acc e^(m - M) / sum of l e^(m - M); split 0 always holds key 0. */
+__global__ void qc_attention_combine_kernel(const float *__restrict__ part, int n_head, int splits,
+                                            int head_dim, float *__restrict__ out) {
+    const int h = blockIdx.x, t = blockIdx.y;
+    const float *p = part + ((int64_t)t * n_head + h) * splits * (head_dim + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, p[s * (head_dim + 2)]);
+    float L = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        const float ms = p[s * (head_dim + 2)];
+        if (ms != -INFINITY) L += p[s * (head_dim + 2) + 1] * expf(ms - M);
+    }
+    float *o = out + ((int64_t)t * n_head + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float v = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float ms = p[s * (head_dim + 2)];
+            if (ms != -INFINITY) v += p[s * (head_dim + 2) + 2 + d] * expf(ms - M);
+        }
+        o[d] = v / L;
+    }
+}
+
 int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
                       const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
                       int head_dim, float *out, float *scores, float *probs) {
@@ -136,11 +241,31 @@ int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, cons
      * lane holds about four dimensions (64 -> 16 lanes per key, 128 -> 32) */
     int G = 1;
     while (G < 32 && (G * QC_ATT_MAXD < head_dim || 4 * G < head_dim)) G *= 2;
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    const size_t part_floats = (size_t)n * (size_t)n_head * QC_ATT_SPLITS * (size_t)(head_dim + 2);
+    if (!scores && !probs && n <= QC_GEMV_MAX_TOKENS && part_floats <= QC_ATT_PART_FLOATS) {
+        const int groups = QC_ATT_SPLIT_THREADS / G;
+        const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
+        const dim3 grid((unsigned)n_head, QC_ATT_SPLITS, (unsigned)n);
+        switch (G) {
+#define QC_SPLIT_CASE_(g)                                                                         \
+        case g:                                                                                   \
+            qc_attention_split_kernel<g><<<grid, QC_ATT_SPLIT_THREADS, smem, cu->stream>>>(        \
+                q, k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, cu->attn_part);     \
+            break;
+            QC_SPLIT_CASE_(1) QC_SPLIT_CASE_(2) QC_SPLIT_CASE_(4) QC_SPLIT_CASE_(8) QC_SPLIT_CASE_(16)
+            QC_SPLIT_CASE_(32)
+#undef QC_SPLIT_CASE_
+        }
+        if (QC_LAUNCHED(be, "qc_attention_split_kernel") < 0) return -1;
+        qc_attention_combine_kernel<<<dim3((unsigned)n_head, (unsigned)n), 64, 0, cu->stream>>>(
+            cu->attn_part, n_head, QC_ATT_SPLITS, head_dim, out);
+        return QC_LAUNCHED(be, "qc_attention_combine_kernel");
+    }
     const int threads = n <= QC_GEMV_MAX_TOKENS ? QC_ATT_THREADS_SHORT : QC_ATT_THREADS_LONG;
     const int groups = threads / G;
     const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
     const dim3 grid((unsigned)n_head, (unsigned)n);
-    const float scale = 1.0f / sqrtf((float)head_dim);
     switch (G) {
 #define QC_CASE_(g)                                                                              \
     case g:                                                                                      \

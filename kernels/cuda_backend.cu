@@ -245,6 +245,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->stream) cudaStreamSynchronize(cu->stream);
             if (cu->scratch_w) cudaFree(cu->scratch_w);
             if (cu->scratch_x) cudaFree(cu->scratch_x);
+            if (cu->attn_part) cudaFree(cu->attn_part);
             if (cu->blas) cublasDestroy(cu->blas);
             if (cu->stream) cudaStreamDestroy(cu->stream);
         }
@@ -313,6 +314,7 @@ extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *er
     QC_CREATE_CHECK(cudaSetDevice(device));
     QC_CREATE_CHECK(cudaDeviceGetAttribute(&cu->sm_count, cudaDevAttrMultiProcessorCount, device));
     QC_CREATE_CHECK(cudaStreamCreateWithFlags(&cu->stream, cudaStreamNonBlocking));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_part, QC_ATT_PART_FLOATS * sizeof(float)));
 #undef QC_CREATE_CHECK
     if ((bs = cublasCreate(&cu->blas)) != CUBLAS_STATUS_SUCCESS ||
         (bs = cublasSetStream(cu->blas, cu->stream)) != CUBLAS_STATUS_SUCCESS) {

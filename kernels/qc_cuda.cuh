@@ -27,7 +27,14 @@ typedef struct qc_cuda {
     size_t scratch_w_bytes;
     void *scratch_x;
     size_t scratch_x_bytes;
+    /* split-K attention partials of short evals: (m, l, acc[head_dim]) per token, head and
+     * split. Allocated once at creation, so a decode step recorded as a graph never allocates. */
+    float *attn_part;
 } qc_cuda;
+
+/* Floats of attn_part: 32 splits x 14 heads x (64 + 2) for a 0.5B decode step is 30k; evals that
+ * would need more use the one-block-per-head attention kernel. */
+#define QC_ATT_PART_FLOATS (1 << 20)
 
 static inline qc_cuda *qc_cuda_of(qc_backend *be) { return (qc_cuda *)be->impl; }
 
