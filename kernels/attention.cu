@@ -204,26 +204,34 @@ qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__
     }
 }
 
-/* out[t][h] = sum over splits of acc e^(m - M) / sum of l e^(m - M); split 0 always holds key 0. */
+/* out[t][h] = sum over splits of acc e^(m - M) / sum of l e^(m - M); split 0 always holds key 0.
+ * One warp turns the splits' (m, l) into weights e^(m - M) / L (lane s, split s), then every
+ * thread sums its dimensions over the splits with those weights. */
+static_assert(QC_ATT_SPLITS <= 32, "the combine kernel keeps one split per lane");
 __global__ void qc_attention_combine_kernel(const float *__restrict__ part, int n_head, int splits,
                                             int head_dim, float *__restrict__ out) {
+    __shared__ float weight[32];
     const int h = blockIdx.x, t = blockIdx.y;
     const float *p = part + ((int64_t)t * n_head + h) * splits * (head_dim + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, p[s * (head_dim + 2)]);
-    float L = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        const float ms = p[s * (head_dim + 2)];
-        if (ms != -INFINITY) L += p[s * (head_dim + 2) + 1] * expf(ms - M);
+    if (threadIdx.x < 32) {
+        const int s = threadIdx.x;
+        const float ms = s < splits ? p[s * (head_dim + 2)] : -INFINITY;
+        const float ls = s < splits ? p[s * (head_dim + 2) + 1] : 0.0f;
+        float M = ms;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+        const float e = ms == -INFINITY ? 0.0f : expf(ms - M);
+        float L = ls * e;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+        if (s < splits) weight[s] = e / L;
     }
+    __syncthreads();
     float *o = out + ((int64_t)t * n_head + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float v = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float ms = p[s * (head_dim + 2)];
-            if (ms != -INFINITY) v += p[s * (head_dim + 2) + 2 + d] * expf(ms - M);
-        }
-        o[d] = v / L;
+        for (int s = 0; s < splits; s++) v = fmaf(p[s * (head_dim + 2) + 2 + d], weight[s], v);
+        o[d] = v;
     }
 }
 
