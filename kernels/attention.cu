@@ -23,35 +23,31 @@
 #define QC_ATT_THREADS_LONG 256
 #define QC_ATT_MAXD 8        /* dimensions per lane: head_dim <= 8 * 32 = 256 */
 
+/* What one group of G lanes does in both kernels below: lane k holds dimensions k, k + G, ...
+ * (at most QC_ATT_MAXD) of the query and of its share of the output. */
 template <int G>
-__global__ void __launch_bounds__(QC_ATT_THREADS_SHORT)
-qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cache,
-                    const float *__restrict__ v_cache, const int32_t *__restrict__ pos, int n,
-                    int n_kv, int n_head, int n_head_kv, int head_dim, float scale,
-                    float *__restrict__ out, float *scores, float *probs) {
-    extern __shared__ float smem[];
-    const int h = blockIdx.x, t = blockIdx.y;
-    const int kvh = h / (n_head / n_head_kv);
-    const int kv_dim = n_head_kv * head_dim;
-    const int lane = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
-    /* the G lanes of this group, as a shuffle mask within the warp */
-    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
-    const int last = pos[t];     /* keys 0..last */
-
-    float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
-    const float *qv = q + ((int64_t)t * n_head + h) * head_dim;
+__device__ __forceinline__ void qc_att_load_q(const float *qv, int head_dim, int lane,
+                                              float (&qr)[QC_ATT_MAXD], float (&acc)[QC_ATT_MAXD]) {
 #pragma unroll
     for (int i = 0; i < QC_ATT_MAXD; i++) {
         const int d = lane + i * G;
         qr[i] = d < head_dim ? qv[d] : 0.0f;
         acc[i] = 0.0f;
     }
-    float m = -INFINITY, l = 0.0f;
-    float *srow = scores ? scores + ((int64_t)h * n + t) * n_kv : nullptr;
+}
 
-    for (int j = group; j <= last; j += groups) {
-        const float *kr = k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
-        const float *vr = v_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
+/* Online softmax of one group over keys first, first + stride, ... <= last of one KV head
+ * (k and v point at that head in key 0's row): running max m, sum l and output acc. When srow is
+ * not NULL, lane 0 writes each scaled score below n_kv. */
+template <int G>
+__device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], const float *k,
+                                            const float *v, int kv_dim, int head_dim, float scale,
+                                            int first, int stride, int last, unsigned gmask,
+                                            int lane, float *srow, int n_kv, float &m, float &l,
+                                            float (&acc)[QC_ATT_MAXD]) {
+    for (int j = first; j <= last; j += stride) {
+        const float *kr = k + (int64_t)j * kv_dim;
+        const float *vr = v + (int64_t)j * kv_dim;
         float s = 0.0f;
 #pragma unroll
         for (int i = 0; i < QC_ATT_MAXD; i++) {
@@ -73,8 +69,15 @@ qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cac
         }
         m = m_new;
     }
+}
 
-    /* merge the groups: smem = m[groups], l[groups], acc[groups][head_dim] */
+/* Publish every group's (m, l, acc) to shared memory (smem = m[groups], l[groups],
+ * acc[groups][head_dim]) and return the block's max M. A group that saw no key has m = -inf and
+ * contributes nothing: readers skip it. */
+template <int G>
+__device__ __forceinline__ float qc_att_publish(float *smem, int group, int groups, int lane,
+                                                int head_dim, float m, float l,
+                                                const float (&acc)[QC_ATT_MAXD]) {
     float *sm_m = smem, *sm_l = smem + groups, *sm_acc = smem + 2 * groups;
     if (lane == 0) { sm_m[group] = m; sm_l[group] = l; }
 #pragma unroll
@@ -85,17 +88,49 @@ qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cac
     __syncthreads();
     float M = -INFINITY;
     for (int g = 0; g < groups; g++) M = fmaxf(M, sm_m[g]);
-    float L = 0.0f;
-    for (int g = 0; g < groups; g++) L += sm_l[g] * (sm_m[g] == -INFINITY ? 0.0f : expf(sm_m[g] - M));
+    return M;
+}
+
+/* Sum over groups of l e^(m - M) (d < 0) or of acc[d] e^(m - M), from shared memory. */
+__device__ __forceinline__ float qc_att_merged(const float *smem, int groups, int head_dim,
+                                               float M, int d) {
+    const float *sm_m = smem, *sm_l = smem + groups, *sm_acc = smem + 2 * groups;
+    float v = 0.0f;
+    for (int g = 0; g < groups; g++)
+        if (sm_m[g] != -INFINITY)
+            v += (d < 0 ? sm_l[g] : sm_acc[g * head_dim + d]) * expf(sm_m[g] - M);
+    return v;
+}
+
+template <int G>
+__global__ void __launch_bounds__(QC_ATT_THREADS_SHORT)
+qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cache,
+                    const float *__restrict__ v_cache, const int32_t *__restrict__ pos, int n,
+                    int n_kv, int n_head, int n_head_kv, int head_dim, float scale,
+                    float *__restrict__ out, float *scores, float *probs) {
+    extern __shared__ float smem[];
+    const int h = blockIdx.x, t = blockIdx.y;
+    const int kvh = h / (n_head / n_head_kv);
+    const int kv_dim = n_head_kv * head_dim;
+    const int lane = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
+    /* the G lanes of this group, as a shuffle mask within the warp */
+    const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
+    const int last = pos[t];     /* keys 0..last */
+
+    float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
+    const float *qv = q + ((int64_t)t * n_head + h) * head_dim;
+    qc_att_load_q<G>(qv, head_dim, lane, qr, acc);
+    float m = -INFINITY, l = 0.0f;
+    float *srow = scores ? scores + ((int64_t)h * n + t) * n_kv : nullptr;
+    qc_att_keys<G>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
+                   kv_dim, head_dim, scale, group, groups, last, gmask, lane, srow, n_kv, m, l, acc);
+
+    const float M = qc_att_publish<G>(smem, group, groups, lane, head_dim, m, l, acc);
+    const float L = qc_att_merged(smem, groups, head_dim, M, -1);
     const float inv_L = L > 0.0f ? 1.0f / L : 0.0f;
     float *o = out + ((int64_t)t * n_head + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float v = 0.0f;
-        for (int g = 0; g < groups; g++)
-            if (sm_m[g] != -INFINITY) v += sm_acc[g * head_dim + d] * expf(sm_m[g] - M);
-        o[d] = v * inv_L;
-    }
-
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+        o[d] = qc_att_merged(smem, groups, head_dim, M, d) * inv_L;
     if (srow) {
         float *prow = probs ? probs + ((int64_t)h * n + t) * n_kv : nullptr;
         for (int j = threadIdx.x; j < n_kv; j += blockDim.x) {
@@ -126,9 +161,9 @@ qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cac
  * A decode step has only n_head blocks above, each walking every key: at 513 keys that took
  * 34 us a layer on an H100 (a quarter of the step). Here the keys are spread over
  * QC_ATT_SPLITS blocks per (head, token): block `split` and its groups take keys
- * split * groups + group, then every splits * groups keys, each keeping an online softmax; the
- * block merges its groups into one unnormalised partial (m, l, acc[head_dim]) and the combine
- * kernel merges the splits. The grid depends on (n_head, n) only, never on the position. */
+ * split * groups + group, then every splits * groups keys; the block merges its groups into one
+ * unnormalised partial (m, l, acc[head_dim]) and the combine kernel merges the splits. The grid
+ * depends on (n_head, n) only, never on the position. */
 #define QC_ATT_SPLITS 32
 #define QC_ATT_SPLIT_THREADS 128
 
@@ -144,64 +179,23 @@ qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__
     const int kv_dim = n_head_kv * head_dim;
     const int lane = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
-    const int last = pos[t];
+
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
-    const float *qv = q + ((int64_t)t * n_head + h) * head_dim;
-#pragma unroll
-    for (int i = 0; i < QC_ATT_MAXD; i++) {
-        const int d = lane + i * G;
-        qr[i] = d < head_dim ? qv[d] : 0.0f;
-        acc[i] = 0.0f;
-    }
+    qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
     float m = -INFINITY, l = 0.0f;
-    for (int j = split * groups + group; j <= last; j += splits * groups) {
-        const float *kr = k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
-        const float *vr = v_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < QC_ATT_MAXD; i++) {
-            const int d = lane + i * G;
-            if (d < head_dim) s = fmaf(qr[i], kr[d], s);
-        }
-#pragma unroll
-        for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(gmask, s, off, G);
-        s *= scale;
-        const float m_new = fmaxf(m, s);
-        const float corr = expf(m - m_new);
-        const float p = expf(s - m_new);
-        l = l * corr + p;
-#pragma unroll
-        for (int i = 0; i < QC_ATT_MAXD; i++) {
-            const int d = lane + i * G;
-            if (d < head_dim) acc[i] = fmaf(p, vr[d], acc[i] * corr);
-        }
-        m = m_new;
-    }
-    float *sm_m = smem, *sm_l = smem + groups, *sm_acc = smem + 2 * groups;
-    if (lane == 0) { sm_m[group] = m; sm_l[group] = l; }
-#pragma unroll
-    for (int i = 0; i < QC_ATT_MAXD; i++) {
-        const int d = lane + i * G;
-        if (d < head_dim) sm_acc[group * head_dim + d] = acc[i];
-    }
-    __syncthreads();
+    qc_att_keys<G>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
+                   kv_dim, head_dim, scale, split * groups + group, splits * groups, pos[t], gmask,
+                   lane, nullptr, 0, m, l, acc);
+
     /* a split with no keys (short contexts) leaves m = -inf, l = 0: the combine skips it */
-    float M = -INFINITY;
-    for (int g = 0; g < groups; g++) M = fmaxf(M, sm_m[g]);
+    const float M = qc_att_publish<G>(smem, group, groups, lane, head_dim, m, l, acc);
     float *out = part + (((int64_t)t * n_head + h) * splits + split) * (head_dim + 2);
     if (threadIdx.x == 0) {
-        float L = 0.0f;
-        for (int g = 0; g < groups; g++)
-            if (sm_m[g] != -INFINITY) L += sm_l[g] * expf(sm_m[g] - M);
         out[0] = M;
-        out[1] = L;
+        out[1] = qc_att_merged(smem, groups, head_dim, M, -1);
     }
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float v = 0.0f;
-        for (int g = 0; g < groups; g++)
-            if (sm_m[g] != -INFINITY) v += sm_acc[g * head_dim + d] * expf(sm_m[g] - M);
-        out[2 + d] = v;
-    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+        out[2 + d] = qc_att_merged(smem, groups, head_dim, M, d);
 }
 
 /* out[t][h] = sum over splits of acc e^(m - M) / sum of l e^(m - M); split 0 always holds key 0.
