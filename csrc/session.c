@@ -536,6 +536,8 @@ int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
         return -1;
     }
 
+    /* a download waits for the work before it; without one, wait here */
+    const int downloaded = want_head && (argmax || logits);
     if (want_head) {
         if (argmax && op->download(be, argmax, s->amax, (size_t)rows * sizeof(int32_t)) < 0)
             goto backend_fail;
@@ -543,7 +545,7 @@ int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
                                    (size_t)rows * (size_t)c->n_vocab * sizeof(float)) < 0)
             goto backend_fail;
     }
-    if (op->synchronize(be) < 0) goto backend_fail;
+    if (!downloaded && op->synchronize(be) < 0) goto backend_fail;
 
     /* the tokens are in the cache now: the next eval starts after them */
     s->pos += n;
