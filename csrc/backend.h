@@ -81,6 +81,12 @@ typedef struct qc_backend_ops {
     int (*add)(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
     /* out[i] = index of the largest value of row i of x[n][cols] (first one on ties). */
     int (*argmax)(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
+    /* One draw from logits[n_vocab] by the chain of sampler.h (qc_sample_row): state is a
+     * qc_sample_state followed by its n_history token ids, work is qc_sample_work_bytes(n_vocab)
+     * bytes of scratch, result receives a qc_sample_result; all three in backend memory, so that
+     * a recorded decode step samples with whatever state was uploaded before its replay. */
+    int (*sample)(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
+                  void *work, void *result);
 
     /* ---- optional (NULL where unsupported): record a sequence of ops once, replay it ----
      * Between record_begin and record_end the ops are recorded, not run; replay runs the

@@ -25,6 +25,11 @@ extern PyObject *qc_CudaError;   /* RuntimeError subclass */
  * for anything else. */
 gguf_file *qc_py_gguf_borrow(PyObject *obj, PyObject **owner);
 
+/* The qc_sampler behind a qwencuda._core.Sampler object; NULL with TypeError for anything else.
+ * Borrowed: valid while the object is. */
+struct qc_sampler;
+struct qc_sampler *qc_py_sampler_of(PyObject *obj);
+
 /* Raise the Python exception that matches err->kind; always returns NULL. */
 PyObject *qc_py_raise(const qc_error *err);
 

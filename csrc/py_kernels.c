@@ -19,6 +19,7 @@
 
 #include "backend.h"
 #include "quants.h"
+#include "sampler.h"
 #ifdef QC_HAVE_CUDA
 #include "../kernels/qc_cuda_api.h"
 #endif
@@ -802,6 +803,58 @@ fail:
     return NULL;
 }
 
+static int op_sample(qc_backend *be, kernel_job *j) {
+    /* inputs: logits, state; outputs: work (scratch), result */
+    return be->ops->sample(be, (const float *)j->d_in[0], j->count, j->d_in[1], j->d_out[0], j->d_out[1]);
+}
+
+/* kernel_sample(device, logits float32 (n_vocab,), sampler) -> token: the sampler's next draw,
+ * made by the backend's sample op from the state the sampler exports; the sampler's RNG then
+ * advances exactly as Sampler.sample(logits) would have advanced it. */
+static PyObject *kernel_sample(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *xobj, *sobj;
+    PyArrayObject *x = NULL;
+    qc_sample_state *state = NULL;
+    qc_sample_result drawn = {0, -1, 0};
+    kernel_job j = {0};
+    cached_backend *c;
+    qc_sampler *sp;
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "sOO", &device, &xobj, &sobj)) return NULL;
+    if ((sp = qc_py_sampler_of(sobj)) == NULL) return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    if ((x = as_array(xobj, NPY_FLOAT32, 1, "sample logits (n_vocab,)")) == NULL) goto done;
+    if (PyArray_DIM(x, 0) != qc_sampler_n_vocab(sp)) {
+        PyErr_Format(PyExc_ValueError, "sample: %zd logits for a sampler of %lld", (Py_ssize_t)PyArray_DIM(x, 0),
+                     (long long)qc_sampler_n_vocab(sp));
+        goto done;
+    }
+    if ((state = malloc(qc_sampler_state_bytes(sp))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t state_bytes = qc_sampler_export(sp, state);
+    j.op = op_sample;
+    j.count = (int64_t)PyArray_DIM(x, 0);
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    job_in(&j, state, state_bytes);
+    job_out(&j, NULL, qc_sample_work_bytes(j.count), -1);
+    job_out(&j, &drawn, sizeof drawn, -1);
+    if (run_job(c, &j) < 0) goto done;
+    if (drawn.token < 0) {
+        PyErr_SetString(PyExc_ValueError, "no token can be sampled: every logit is NaN or -inf");
+        goto done;
+    }
+    qc_sampler_set_rng(sp, drawn.rng);
+    res = PyLong_FromLong(drawn.token);
+done:
+    free(state);
+    Py_XDECREF(x);
+    return res;
+}
+
 static double now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -916,6 +969,8 @@ static PyMethodDef kernel_methods[] = {
     {"kernel_swiglu", kernel_swiglu, METH_VARARGS, "kernel_swiglu(device, gate, up) -> silu(gate) * up"},
     {"kernel_add", kernel_add, METH_VARARGS, "kernel_add(device, a, b) -> a + b"},
     {"kernel_argmax", kernel_argmax, METH_VARARGS, "kernel_argmax(device, x float32 (n, cols)) -> int32 (n,)"},
+    {"kernel_sample", kernel_sample, METH_VARARGS,
+     "kernel_sample(device, logits float32 (n_vocab,), sampler) -> int: the sampler's next draw, on the backend"},
     {"kernel_time_matmul", kernel_time_matmul, METH_VARARGS,
      "kernel_time_matmul(device, (raw, type, rows, cols), x (n, cols), iters) -> seconds per matmul call"},
     {"kernel_release", kernel_release, METH_VARARGS,

@@ -15,6 +15,7 @@
 #include "model.h"
 #include "quants.h"
 #include "session.h"
+#include "sampler.h"
 
 typedef struct SessionObject SessionObject;
 
@@ -179,21 +180,35 @@ static int patterns_from(PyObject *capture, PyObject **seq, const char ***pats, 
     return 0;
 }
 
-/* eval(ids, logits="last", capture=None) -> (start, logits | None, argmax | None, {name: array})
- * logits: "all" (a row per token), "last" (one row) or None (no lm_head at all). */
+/* eval(ids, logits="last", capture=None, sampler=None)
+ *   -> (start, logits | None, argmax | None, {name: array}, token | None)
+ * logits: "all" (a row per token), "last" (one row) or None (none downloaded; no lm_head at all
+ * unless a sampler draws). sampler: a Sampler whose draw from the last row runs on the backend. */
 static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"ids", "logits", "capture", NULL};
-    PyObject *ids_obj = NULL, *logits_obj = Py_None, *capture = Py_None;
+    static char *kwlist[] = {"ids", "logits", "capture", "sampler", NULL};
+    PyObject *ids_obj = NULL, *logits_obj = Py_None, *capture = Py_None, *sampler_obj = Py_None;
+    qc_sampler *sampler = NULL;
+    qc_sample_state *sample = NULL;
+    qc_sample_result drawn = {0, -1, 0};
     PyObject *seq = NULL, *logits = NULL, *argmax = NULL, *tensors = NULL, *result = NULL;
     const char **pats = NULL;
     int32_t *ids = NULL;
     int n = 0, n_pats = 0, all_logits = 0, want_logits = 1, rc, start;
     qc_capture cap = {0};
     qc_error err = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO:eval", kwlist, &ids_obj, &logits_obj, &capture))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO:eval", kwlist, &ids_obj, &logits_obj, &capture,
+                                     &sampler_obj))
         return NULL;
     if (!session_usable(so)) return NULL;
     const qc_config *cfg = &so->model->m->cfg;
+    if (sampler_obj != Py_None) {
+        if ((sampler = qc_py_sampler_of(sampler_obj)) == NULL) return NULL;
+        if (qc_sampler_n_vocab(sampler) != cfg->n_vocab) {
+            PyErr_Format(PyExc_ValueError, "the sampler is for %lld logits, the model has %lld",
+                         (long long)qc_sampler_n_vocab(sampler), (long long)cfg->n_vocab);
+            return NULL;
+        }
+    }
     if (logits_obj == Py_None) {
         want_logits = 0;
     } else if (PyUnicode_Check(logits_obj) && PyUnicode_CompareWithASCIIString(logits_obj, "all") == 0) {
@@ -205,6 +220,14 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
     start = qc_session_position(so->s);
     if ((ids = ids_from(ids_obj, cfg->n_vocab, start, &n)) == NULL) goto fail;
     if (patterns_from(capture, &seq, &pats, &n_pats) < 0) goto fail;
+    if (sampler) {
+        /* exported with the GIL held: the Sampler object is not touched while it is released */
+        if ((sample = malloc(qc_sampler_state_bytes(sampler))) == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        qc_sampler_export(sampler, sample);
+    }
     if (want_logits) {
         npy_intp ldims[2] = {all_logits ? n : 1, (npy_intp)cfg->n_vocab};
         logits = PyArray_SimpleNew(2, ldims, NPY_FLOAT32);
@@ -221,7 +244,8 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(mo->lock, WAIT_LOCK);
     start = qc_session_position(s);   /* under the lock: another thread may have advanced it */
-    rc = qc_session_eval(s, ids, n, all_logits, n_pats ? &spec : NULL, n_pats ? &cap : NULL, lp, ap, &err);
+    rc = qc_session_eval(s, ids, n, all_logits, n_pats ? &spec : NULL, n_pats ? &cap : NULL, lp, ap,
+                         sample, &drawn, &err);
     PyThread_release_lock(mo->lock);
     Py_END_ALLOW_THREADS
     so->busy--;
@@ -230,6 +254,7 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
         qc_py_raise(&err);
         goto fail;
     }
+    if (sampler) qc_sampler_set_rng(sampler, drawn.rng);
     if ((tensors = PyDict_New()) == NULL) goto fail;
     for (int i = 0; i < cap.n; i++) {
         PyObject *arr = capture_array(&cap.items[i]);
@@ -238,8 +263,14 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
         Py_DECREF(arr);
         if (rc < 0) goto fail;
     }
-    result = Py_BuildValue("(iOOO)", start, logits ? logits : Py_None, argmax ? argmax : Py_None, tensors);
+    if (sampler)
+        result = Py_BuildValue("(iOOOi)", start, logits ? logits : Py_None, argmax ? argmax : Py_None,
+                               tensors, (int)drawn.token);
+    else
+        result = Py_BuildValue("(iOOOO)", start, logits ? logits : Py_None, argmax ? argmax : Py_None,
+                               tensors, Py_None);
 fail:
+    free(sample);
     qc_capture_free(&cap);
     free(ids);
     free(pats);
@@ -303,8 +334,9 @@ static PyObject *Session_get_closed(SessionObject *so, void *closure) {
 
 static PyMethodDef Session_methods[] = {
     {"eval", (PyCFunction)(void (*)(void))Session_eval, METH_VARARGS | METH_KEYWORDS,
-     "eval(ids, logits='last', capture=None) -> (start, logits, argmax, tensors): run ids at the "
-     "current position and advance it. logits 'all', 'last' or None; capture: glob patterns."},
+     "eval(ids, logits='last', capture=None, sampler=None) -> (start, logits, argmax, tensors, token): "
+     "run ids at the current position and advance it. logits 'all', 'last' or None; capture: glob "
+     "patterns; sampler: a Sampler that draws the next token on the backend (token, else None)."},
     {"reset", (PyCFunction)Session_reset, METH_NOARGS, "reset(): back to position 0."},
     {"rewind", (PyCFunction)Session_rewind, METH_O, "rewind(n): forget the last n tokens."},
     {"close", (PyCFunction)Session_close, METH_NOARGS, "close(): free the KV cache."},

@@ -148,6 +148,17 @@ static PyType_Spec Sampler_spec = {
     "qwencuda._core.Sampler", sizeof(SamplerObject), 0, Py_TPFLAGS_DEFAULT, Sampler_slots,
 };
 
+/* The type made at module init, to recognise samplers handed to Session.eval. */
+static PyObject *g_sampler_type;
+
+qc_sampler *qc_py_sampler_of(PyObject *obj) {
+    if (g_sampler_type == NULL || !PyObject_TypeCheck(obj, (PyTypeObject *)g_sampler_type)) {
+        PyErr_Format(PyExc_TypeError, "sampler must be a qwencuda Sampler, not %s", Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return ((SamplerObject *)obj)->s;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* sample(): one draw with a fresh sampler */
 
@@ -190,7 +201,10 @@ int qc_py_add_sampler(PyObject *m) {
     PyObject *type = PyType_FromSpec(&Sampler_spec);
     if (type == NULL) return -1;
     int rc = PyModule_AddObjectRef(m, "Sampler", type);
-    Py_DECREF(type);
-    if (rc < 0) return -1;
+    if (rc < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    Py_XSETREF(g_sampler_type, type);   /* kept for the life of the process */
     return PyModule_AddFunctions(m, sampler_functions);
 }

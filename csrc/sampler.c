@@ -1,4 +1,5 @@
-/* sampler.c: pick the next token from a row of logits.
+/* sampler.c: pick the next token from a row of logits (the host implementation; the CUDA twin is
+ * kernels/sample.cu, which follows this file step by step).
  *
  * The chain is llama.cpp's order: repetition penalty -> top-k -> top-p -> min-p -> temperature
  * -> draw. So top-p and min-p see the probabilities at temperature 1 and the temperature only
@@ -9,8 +10,13 @@
  * +inf, the first of them is chosen. If every logit is NaN or -inf, sample returns -1 (the
  * Python layer raises ValueError).
  *
+ * The draw walks the survivors in token-id order, whatever order the filters left them in, so
+ * that an implementation that filters by thresholds (the GPU one) draws the same token from the
+ * same uniform number.
+ *
  * The RNG (xorshift64*, seeded through splitmix64) lives in the sampler: the same seed and the
- * same logits give the same tokens on every machine.
+ * same logits give the same tokens on every machine and on both backends (up to a uniform number
+ * landing within rounding of a boundary between two tokens' cumulative weights).
  */
 #include "sampler.h"
 
@@ -18,11 +24,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Tokens more than this many (temperature-scaled) nats below the best carry less than
- * n_vocab * e^-40 of the mass: they are left out of sorting without changing any result. */
-#define QC_CANDIDATE_NATS 40.0f
 /* Logit buckets of the top-p filter: the boundary bucket, the only one sorted, stays small. */
 #define QC_P_BUCKETS 4096
+
+/* Scratch of one draw, carved out of the caller's work buffer (qc_sample_work_bytes). */
+typedef struct {
+    double *bucket_mass;      /* (QC_P_BUCKETS) top-p: probability mass per logit bucket */
+    float *v;                 /* (n_vocab) logits after the penalty, NaN -> -inf */
+    float *weight;            /* (n_vocab) exp((logit - max) / temperature) of the survivors */
+    int32_t *cand;            /* (n_vocab) candidate ids */
+    int32_t *heap;            /* (n_vocab) scratch for partial selection */
+    int32_t *order;           /* (n_vocab) top-p: the candidates of the boundary bucket */
+    unsigned char *seen;      /* (n_vocab) marks: distinct penalty tokens, survivors' id order */
+} sample_work;
 
 struct qc_sampler {
     qc_sampler_params p;
@@ -31,13 +45,9 @@ struct qc_sampler {
     int32_t *history;         /* (repeat_last_n) ring of accepted tokens */
     int n_history;            /* entries filled, <= repeat_last_n */
     int head;                 /* next slot to write */
-    float *work;              /* (n_vocab) logits after the penalty, NaN -> -inf */
-    int32_t *cand;            /* (n_vocab) candidate ids, best first once sorted */
-    int32_t *heap;            /* (n_vocab) scratch for partial selection */
-    int32_t *order;           /* (n_vocab) top-p: the candidates of the boundary bucket */
-    float *weight;            /* (n_vocab) exp((logit - max) / temperature) of the survivors */
-    double *bucket_mass;      /* (QC_P_BUCKETS) top-p: probability mass per logit bucket */
-    unsigned char *seen;      /* (n_vocab) penalty marks, all 0 between calls */
+    qc_sample_state *state;   /* (qc_sampler_state_bytes) the next draw's state, exported */
+    unsigned char *seen;      /* (n_vocab) export's duplicate marks, all 0 between calls */
+    void *work;               /* (qc_sample_work_bytes) */
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -62,67 +72,6 @@ static uint64_t rng_next(uint64_t *state) {
 /* uniform in [0, 1), 53 bits */
 static double rng_uniform(uint64_t *state) {
     return (double)(rng_next(state) >> 11) * (1.0 / 9007199254740992.0);
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* build / free */
-
-int qc_sampler_create(const qc_sampler_params *p, int64_t n_vocab, qc_sampler **out, qc_error *err) {
-    qc_sampler *s = NULL;
-    *out = NULL;
-    if (n_vocab < 1 || n_vocab > INT32_MAX)
-        return qc_fail(err, QC_ERR_VALUE, "n_vocab must be in [1, 2^31), got %lld", (long long)n_vocab);
-    if (isnan(p->temperature)) return qc_fail(err, QC_ERR_VALUE, "temperature is NaN");
-    if (isnan(p->top_p) || p->top_p < 0.0f)
-        return qc_fail(err, QC_ERR_VALUE, "top_p must be in [0, 1], got %g", (double)p->top_p);
-    if (isnan(p->min_p) || p->min_p < 0.0f || p->min_p > 1.0f)
-        return qc_fail(err, QC_ERR_VALUE, "min_p must be in [0, 1], got %g", (double)p->min_p);
-    if (!(p->repeat_penalty > 0.0f) || isinf(p->repeat_penalty))
-        return qc_fail(err, QC_ERR_VALUE, "repeat_penalty must be > 0 and finite, got %g",
-                       (double)p->repeat_penalty);
-    if (p->repeat_last_n < 0)
-        return qc_fail(err, QC_ERR_VALUE, "repeat_last_n must be >= 0, got %d", p->repeat_last_n);
-    s = calloc(1, sizeof *s);
-    if (s == NULL) return qc_fail(err, QC_ERR_NOMEM, "sampler: out of memory");
-    s->p = *p;
-    s->n_vocab = n_vocab;
-    uint64_t seed = p->seed;
-    s->rng = splitmix64(&seed);
-    if (s->rng == 0) s->rng = 0x9E3779B97F4A7C15ull;
-    s->history = malloc((size_t)(p->repeat_last_n > 0 ? p->repeat_last_n : 1) * sizeof *s->history);
-    s->work = malloc((size_t)n_vocab * sizeof *s->work);
-    s->cand = malloc((size_t)n_vocab * sizeof *s->cand);
-    s->heap = malloc((size_t)n_vocab * sizeof *s->heap);
-    s->order = malloc((size_t)n_vocab * sizeof *s->order);
-    s->weight = malloc((size_t)n_vocab * sizeof *s->weight);
-    s->bucket_mass = malloc(QC_P_BUCKETS * sizeof *s->bucket_mass);
-    s->seen = calloc((size_t)n_vocab, 1);
-    if (!s->history || !s->work || !s->cand || !s->heap || !s->order || !s->weight || !s->bucket_mass || !s->seen) {
-        qc_sampler_free(s);
-        return qc_fail(err, QC_ERR_NOMEM, "sampler: out of memory");
-    }
-    *out = s;
-    return 0;
-}
-
-void qc_sampler_free(qc_sampler *s) {
-    if (s == NULL) return;
-    free(s->history);
-    free(s->work);
-    free(s->cand);
-    free(s->heap);
-    free(s->order);
-    free(s->weight);
-    free(s->bucket_mass);
-    free(s->seen);
-    free(s);
-}
-
-void qc_sampler_accept(qc_sampler *s, int32_t token) {
-    if (s->p.repeat_last_n <= 0 || token < 0 || token >= s->n_vocab) return;
-    s->history[s->head] = token;
-    s->head = (s->head + 1) % s->p.repeat_last_n;
-    if (s->n_history < s->p.repeat_last_n) s->n_history++;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -172,9 +121,9 @@ static void select_best(const float *v, const int32_t *cand, int64_t n, int64_t 
  * the mass crosses top_p are kept as they are, and only the crossing bucket is sorted. This is
  * the sorted-prefix definition (ties broken by the lower id), in O(n) plus a small sort.
  * Returns the new count; cand is rewritten in place (the order of kept tokens is arbitrary). */
-static int64_t top_p_filter(qc_sampler *s, int32_t *cand, int64_t n, float vmax, double top_p) {
-    const float *v = s->work;
-    double *mass = s->bucket_mass;
+static int64_t top_p_filter(const sample_work *w, int32_t *cand, int64_t n, float vmax, double top_p) {
+    const float *v = w->v;
+    double *mass = w->bucket_mass;
     float vmin = vmax;
     double denom = 0.0;
     for (int64_t i = 0; i < n; i++) {
@@ -195,14 +144,14 @@ static int64_t top_p_filter(qc_sampler *s, int32_t *cand, int64_t n, float vmax,
     while (edge < QC_P_BUCKETS - 1 && acc + mass[edge] < target) acc += mass[edge++];
     /* buckets before `edge` are kept whole; the members of `edge` are sorted, best first */
     int64_t kept = 0, n_edge = 0;
-    int32_t *edge_ids = s->order;
+    int32_t *edge_ids = w->order;
     for (int64_t i = 0; i < n; i++) {
         int64_t b = (int64_t)(((double)vmax - v[cand[i]]) / width);
         if (b >= QC_P_BUCKETS) b = QC_P_BUCKETS - 1;
         if (b < edge) cand[kept++] = cand[i];
         else if (b == edge) edge_ids[n_edge++] = cand[i];
     }
-    select_best(v, edge_ids, n_edge, n_edge, s->heap, edge_ids);
+    select_best(v, edge_ids, n_edge, n_edge, w->heap, edge_ids);
     for (int64_t i = 0; i < n_edge; i++) {
         if (kept > 0 && acc >= target) break;
         acc += exp((double)v[edge_ids[i]] - vmax);
@@ -212,12 +161,52 @@ static int64_t top_p_filter(qc_sampler *s, int32_t *cand, int64_t n, float vmax,
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* sampling */
+/* one draw */
 
-int32_t qc_sampler_sample(qc_sampler *s, const float *logits) {
-    const int64_t nv = s->n_vocab;
-    const qc_sampler_params *p = &s->p;
-    float *v = s->work;
+size_t qc_sample_work_bytes(int64_t n_vocab) {
+    return QC_P_BUCKETS * sizeof(double) + (size_t)n_vocab * (2 * sizeof(float) + 3 * sizeof(int32_t) + 1);
+}
+
+static sample_work carve_work(void *mem, int64_t nv) {
+    sample_work w;
+    char *p = mem;
+    w.bucket_mass = (double *)p; p += QC_P_BUCKETS * sizeof(double);
+    w.v = (float *)p; p += (size_t)nv * sizeof(float);
+    w.weight = (float *)p; p += (size_t)nv * sizeof(float);
+    w.cand = (int32_t *)p; p += (size_t)nv * sizeof(int32_t);
+    w.heap = (int32_t *)p; p += (size_t)nv * sizeof(int32_t);
+    w.order = (int32_t *)p; p += (size_t)nv * sizeof(int32_t);
+    w.seen = (unsigned char *)p;
+    return w;
+}
+
+static int cmp_id(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Put cand[0..n) back in id order: a sort when few, a sweep of the vocabulary when many. */
+static void restore_id_order(const sample_work *w, int32_t *cand, int64_t n, int64_t nv) {
+    if (n <= nv / 64) {
+        qsort(cand, (size_t)n, sizeof *cand, cmp_id);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) w->seen[cand[i]] = 1;
+    int64_t k = 0;
+    for (int64_t id = 0; id < nv; id++) {
+        if (w->seen[id]) {
+            w->seen[id] = 0;
+            cand[k++] = (int32_t)id;
+        }
+    }
+}
+
+int32_t qc_sample_row(const qc_sample_state *st, const float *logits, int64_t nv, void *work,
+                      uint64_t *rng_out) {
+    const sample_work wk = carve_work(work, nv);
+    float *v = wk.v;
+    *rng_out = st->rng;
+    memset(wk.seen, 0, (size_t)nv);   /* the marks below are set and cleared within one call */
 
     /* non-finite handling: NaN is never chosen */
     for (int64_t i = 0; i < nv; i++) {
@@ -225,16 +214,18 @@ int32_t qc_sampler_sample(qc_sampler *s, const float *logits) {
         v[i] = x == x ? x : -INFINITY;
     }
 
-    /* repetition penalty, once per distinct token of the last repeat_last_n accepted:
-     * positive logits are divided by the penalty, negative ones multiplied (llama.cpp) */
-    if (p->repeat_penalty != 1.0f && s->n_history > 0) {
-        for (int i = 0; i < s->n_history; i++) {
-            int32_t t = s->history[i];
-            if (s->seen[t]) continue;
-            s->seen[t] = 1;
-            v[t] = v[t] > 0.0f ? v[t] / p->repeat_penalty : v[t] * p->repeat_penalty;
+    /* repetition penalty, once per distinct token: positive logits are divided by the penalty,
+     * negative ones multiplied (llama.cpp) */
+    const int32_t *hist = qc_sample_history(st);
+    if (st->repeat_penalty != 1.0f && st->n_history > 0) {
+        for (int i = 0; i < st->n_history; i++) {
+            int32_t t = hist[i];
+            if (t < 0 || t >= nv || wk.seen[t]) continue;
+            wk.seen[t] = 1;
+            v[t] = v[t] > 0.0f ? v[t] / st->repeat_penalty : v[t] * st->repeat_penalty;
         }
-        for (int i = 0; i < s->n_history; i++) s->seen[s->history[i]] = 0;
+        for (int i = 0; i < st->n_history; i++)
+            if (hist[i] >= 0 && hist[i] < nv) wk.seen[hist[i]] = 0;
     }
 
     int64_t best = 0;
@@ -246,59 +237,158 @@ int32_t qc_sampler_sample(qc_sampler *s, const float *logits) {
         }
     }
     if (vmax == -INFINITY) return -1;                 /* nothing can be chosen */
-    if (vmax == INFINITY || p->temperature <= 0.0f) return (int32_t)best;   /* greedy / certain */
+    if (vmax == INFINITY || st->temperature <= 0.0f) return (int32_t)best;   /* greedy / certain */
 
-    /* candidates: every token within reach of the best */
-    const float temp = p->temperature;
+    /* candidates: every token within reach of the best, in id order */
+    const float temp = st->temperature;
     const float cut = vmax - QC_CANDIDATE_NATS * (temp > 1.0f ? temp : 1.0f);
-    int32_t *cand = s->cand;
+    int32_t *cand = wk.cand;
     int64_t n = 0;
     for (int64_t i = 0; i < nv; i++)
         if (v[i] >= cut) cand[n++] = (int32_t)i;
 
     /* top-k: the k best */
-    int sorted = 0;
-    if (p->top_k > 0 && p->top_k < n) {
-        select_best(v, cand, n, p->top_k, s->heap, cand);
-        n = p->top_k;
-        sorted = 1;
+    int sorted = 0, reordered = 0;
+    if (st->top_k > 0 && st->top_k < n) {
+        select_best(v, cand, n, st->top_k, wk.heap, cand);
+        n = st->top_k;
+        sorted = reordered = 1;
     }
 
     /* top-p: the smallest set of the best tokens whose softmax (temperature 1) reaches top_p */
-    if (p->top_p < 1.0f) {
+    if (st->top_p < 1.0f) {
         if (sorted) {
             double denom = 0.0, cum = 0.0;
             for (int64_t i = 0; i < n; i++) denom += exp((double)v[cand[i]] - vmax);
             int64_t keep = 0;
-            while (keep < n && (keep == 0 || cum < p->top_p * denom))
+            while (keep < n && (keep == 0 || cum < st->top_p * denom))
                 cum += exp((double)v[cand[keep++]] - vmax);
             n = keep;
         } else {
-            n = top_p_filter(s, cand, n, vmax, p->top_p);
+            n = top_p_filter(&wk, cand, n, vmax, st->top_p);
+            reordered = 1;
         }
     }
 
     /* min-p: keep p >= min_p * p_max, i.e. logit >= max + log(min_p); the best always stays */
-    if (p->min_p > 0.0f) {
-        const double floor_v = (double)vmax + log((double)p->min_p);
+    if (st->min_p > 0.0f) {
+        const double floor_v = (double)vmax + log((double)st->min_p);
         int64_t k = 0;
         for (int64_t i = 0; i < n; i++)
             if ((double)v[cand[i]] >= floor_v) cand[k++] = cand[i];
         n = k;
     }
+    if (reordered) restore_id_order(&wk, cand, n, nv);
 
-    /* temperature, then one draw from the survivors */
-    float *w = s->weight;
+    /* temperature, then one draw from the survivors, walked in id order */
+    float *w = wk.weight;
     double total = 0.0;
     const float inv_t = 1.0f / temp;
     for (int64_t i = 0; i < n; i++) {
         w[i] = expf((v[cand[i]] - vmax) * inv_t);
         total += w[i];
     }
-    double r = rng_uniform(&s->rng) * total, cum = 0.0;
+    uint64_t rng = st->rng;
+    double r = rng_uniform(&rng) * total, cum = 0.0;
+    *rng_out = rng;
     for (int64_t i = 0; i < n; i++) {
         cum += w[i];
         if (r < cum) return cand[i];
     }
     return cand[n - 1];   /* rounding left r at the very top */
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* the sampler object */
+
+uint64_t qc_sample_rng_from_seed(uint64_t seed) {
+    uint64_t rng = splitmix64(&seed);
+    return rng ? rng : 0x9E3779B97F4A7C15ull;
+}
+
+size_t qc_sampler_state_bytes(const qc_sampler *s) {
+    int cap = s->p.repeat_last_n > 0 ? s->p.repeat_last_n : 0;
+    return sizeof(qc_sample_state) + (size_t)cap * sizeof(int32_t);
+}
+
+int qc_sampler_create(const qc_sampler_params *p, int64_t n_vocab, qc_sampler **out, qc_error *err) {
+    qc_sampler *s = NULL;
+    *out = NULL;
+    if (n_vocab < 1 || n_vocab > INT32_MAX)
+        return qc_fail(err, QC_ERR_VALUE, "n_vocab must be in [1, 2^31), got %lld", (long long)n_vocab);
+    if (isnan(p->temperature)) return qc_fail(err, QC_ERR_VALUE, "temperature is NaN");
+    if (isnan(p->top_p) || p->top_p < 0.0f)
+        return qc_fail(err, QC_ERR_VALUE, "top_p must be in [0, 1], got %g", (double)p->top_p);
+    if (isnan(p->min_p) || p->min_p < 0.0f || p->min_p > 1.0f)
+        return qc_fail(err, QC_ERR_VALUE, "min_p must be in [0, 1], got %g", (double)p->min_p);
+    if (!(p->repeat_penalty > 0.0f) || isinf(p->repeat_penalty))
+        return qc_fail(err, QC_ERR_VALUE, "repeat_penalty must be > 0 and finite, got %g",
+                       (double)p->repeat_penalty);
+    if (p->repeat_last_n < 0)
+        return qc_fail(err, QC_ERR_VALUE, "repeat_last_n must be >= 0, got %d", p->repeat_last_n);
+    s = calloc(1, sizeof *s);
+    if (s == NULL) return qc_fail(err, QC_ERR_NOMEM, "sampler: out of memory");
+    s->p = *p;
+    s->n_vocab = n_vocab;
+    s->rng = qc_sample_rng_from_seed(p->seed);
+    s->history = malloc((size_t)(p->repeat_last_n > 0 ? p->repeat_last_n : 1) * sizeof *s->history);
+    s->state = malloc(qc_sampler_state_bytes(s));
+    s->seen = calloc((size_t)n_vocab, 1);
+    s->work = malloc(qc_sample_work_bytes(n_vocab));
+    if (!s->history || !s->state || !s->seen || !s->work) {
+        qc_sampler_free(s);
+        return qc_fail(err, QC_ERR_NOMEM, "sampler: out of memory");
+    }
+    *out = s;
+    return 0;
+}
+
+void qc_sampler_free(qc_sampler *s) {
+    if (s == NULL) return;
+    free(s->history);
+    free(s->state);
+    free(s->seen);
+    free(s->work);
+    free(s);
+}
+
+int64_t qc_sampler_n_vocab(const qc_sampler *s) { return s->n_vocab; }
+
+void qc_sampler_accept(qc_sampler *s, int32_t token) {
+    if (s->p.repeat_last_n <= 0 || token < 0 || token >= s->n_vocab) return;
+    s->history[s->head] = token;
+    s->head = (s->head + 1) % s->p.repeat_last_n;
+    if (s->n_history < s->p.repeat_last_n) s->n_history++;
+}
+
+size_t qc_sampler_export(qc_sampler *s, qc_sample_state *st) {
+    int32_t *hist = (int32_t *)(st + 1);
+    int n = 0;
+    st->rng = s->rng;
+    st->temperature = s->p.temperature;
+    st->top_p = s->p.top_p;
+    st->min_p = s->p.min_p;
+    st->repeat_penalty = s->p.repeat_penalty;
+    st->top_k = s->p.top_k;
+    if (s->p.repeat_penalty != 1.0f) {
+        for (int i = 0; i < s->n_history; i++) {
+            int32_t t = s->history[i];
+            if (s->seen[t]) continue;
+            s->seen[t] = 1;
+            hist[n++] = t;
+        }
+        for (int i = 0; i < n; i++) s->seen[hist[i]] = 0;
+    }
+    st->n_history = n;
+    return sizeof *st + (size_t)n * sizeof(int32_t);
+}
+
+void qc_sampler_set_rng(qc_sampler *s, uint64_t rng) { s->rng = rng ? rng : s->rng; }
+
+int32_t qc_sampler_sample(qc_sampler *s, const float *logits) {
+    qc_sampler_export(s, s->state);
+    uint64_t rng;
+    int32_t token = qc_sample_row(s->state, logits, s->n_vocab, s->work, &rng);
+    s->rng = rng;
+    return token;
 }

@@ -59,8 +59,14 @@ struct qc_session {
     size_t score_cap;         /* elements */
     float **k_cache;          /* [n_layer] (max_ctx, n_head_kv * head_dim), after RoPE */
     float **v_cache;          /* [n_layer] (max_ctx, n_head_kv * head_dim) */
-    void *decode_rec;         /* the recorded decode step (backend replay), or NULL */
+    void *decode_rec[3];      /* the recorded decode step (backend replay), or NULL: with the
+                                 argmax, with a draw, with both (decode_slot) */
     int no_replay;            /* recording failed once on this backend: run ops plainly */
+    /* sampling on the backend (an eval with a sampler), allocated at the first such eval */
+    void *sample_state;       /* (sample_state_cap) qc_sample_state and its token ids */
+    size_t sample_state_cap;
+    void *sample_work;        /* (qc_sample_work_bytes(n_vocab)) */
+    void *sample_result;      /* one qc_sample_result */
     unsigned char *want;      /* [CAP_N_GLOBAL + n_layer * L_N_NAMES] capture this eval? */
     int n_wanted;             /* nonzero entries of want */
 };
@@ -220,8 +226,10 @@ static int scratch_build(qc_backend *be, const qc_config *c, int rows, qc_scratc
 
 /* A recording holds the buffer pointers it was made with: forget it when they change. */
 static void drop_recording(qc_session *s) {
-    if (s->decode_rec) s->be->ops->recording_free(s->be, s->decode_rec);
-    s->decode_rec = NULL;
+    for (int i = 0; i < 3; i++) {
+        if (s->decode_rec[i]) s->be->ops->recording_free(s->be, s->decode_rec[i]);
+        s->decode_rec[i] = NULL;
+    }
 }
 
 /* Room for n tokens; on failure the old buffers are kept, so the session stays usable. */
@@ -258,6 +266,28 @@ static int ensure_logit_rows(qc_session *s, int rows, qc_error *err) {
     s->logits = logits;
     s->amax = amax;
     s->logit_rows = rows;
+    return 0;
+}
+
+/* Room for a sampler's state of state_bytes; the work and result buffers come with the first. */
+static int ensure_sampling(qc_session *s, size_t state_bytes, qc_error *err) {
+    void *state = NULL;
+    if (s->sample_work == NULL) {
+        if (buf_alloc(s->be, qc_sample_work_bytes(s->m->cfg.n_vocab), &s->sample_work, err) < 0) return -1;
+        if (buf_alloc(s->be, sizeof(qc_sample_result), &s->sample_result, err) < 0) {
+            buf_free(s->be, &s->sample_work);
+            return -1;
+        }
+        drop_recording(s);
+    }
+    if (state_bytes <= s->sample_state_cap) return 0;
+    /* room for 64 more penalty tokens, so that a growing history reallocates seldom */
+    state_bytes += 64 * sizeof(int32_t);
+    if (buf_alloc(s->be, state_bytes, &state, err) < 0) return -1;
+    drop_recording(s);
+    buf_free(s->be, &s->sample_state);
+    s->sample_state = state;
+    s->sample_state_cap = state_bytes;
     return 0;
 }
 
@@ -335,6 +365,9 @@ void qc_session_free(qc_session *s) {
     buf_free(be, &s->amax);
     buf_free(be, &s->scores);
     buf_free(be, &s->probs);
+    buf_free(be, &s->sample_state);
+    buf_free(be, &s->sample_work);
+    buf_free(be, &s->sample_result);
     free(s->host_pos);
     free(s->k_cache);
     free(s->v_cache);
@@ -362,8 +395,8 @@ int qc_session_rewind(qc_session *s, int n, qc_error *err) {
  * reads and writes backend memory (and copies captured tensors out), so that a decode step can
  * be recorded once and replayed. */
 static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits, int want_head,
-                       int do_argmax, float *scores, float *probs, qc_capture *capture,
-                       qc_error *err) {
+                       int do_argmax, int do_sample, float *scores, float *probs,
+                       qc_capture *capture, qc_error *err) {
     const qc_model *m = s->m;
     const qc_config *c = &m->cfg;
     qc_backend *be = s->be;
@@ -465,6 +498,11 @@ static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits,
             if (capture_global(s, capture, CAP_ARGMAX, s->amax, QC_DTYPE_I32, 1, rows, 0, err) < 0)
                 goto fail;
         }
+
+        /* a draw from the last row, by the sampler state uploaded for this eval */
+        if (do_sample && op->sample(be, s->logits + (size_t)(rows - 1) * (size_t)c->n_vocab, c->n_vocab,
+                                    s->sample_state, s->sample_work, s->sample_result) < 0)
+            goto backend_fail;
     }
     return 0;
 backend_fail:
@@ -475,7 +513,8 @@ fail:
 
 int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
                     const qc_capture_spec *spec, qc_capture *capture,
-                    float *logits, int32_t *argmax, qc_error *err) {
+                    float *logits, int32_t *argmax, const qc_sample_state *sample,
+                    qc_sample_result *drawn, qc_error *err) {
     const qc_model *m = s->m;
     const qc_config *c = &m->cfg;
     qc_backend *be = s->be;
@@ -492,15 +531,21 @@ int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
         if (ids[t] < 0 || ids[t] >= c->n_vocab)
             return qc_fail(err, QC_ERR_RANGE, "token id %d at ids[%d] (position %d) is out of range [0, %lld)",
                            (int)ids[t], t, s->pos + t, (long long)c->n_vocab);
+    if (sample && sample->n_history < 0)
+        return qc_fail(err, QC_ERR_VALUE, "sampler state with %d penalty tokens", (int)sample->n_history);
 
     const int n_kv = s->pos + n;                    /* keys visible to the last token */
     const int n_captured = mark_wanted(s, capture ? spec : NULL);
     const int want_scores = n_captured && (any_layer_wants(s, L_ATTN_SCORES) || any_layer_wants(s, L_ATTN_PROBS));
-    const int want_head = logits || argmax || s->want[CAP_OUTPUT_NORM] || s->want[CAP_LOGITS] || s->want[CAP_ARGMAX];
+    const int do_sample = sample != NULL;
+    const size_t sample_bytes = do_sample ? sizeof *sample + (size_t)sample->n_history * sizeof(int32_t) : 0;
+    const int want_head = logits || argmax || do_sample || s->want[CAP_OUTPUT_NORM] ||
+                          s->want[CAP_LOGITS] || s->want[CAP_ARGMAX];
     const int rows = all_logits ? n : 1;            /* lm_head rows */
     if (ensure_rows(s, n, err) < 0) return -1;
     if (want_head && ensure_logit_rows(s, rows, err) < 0) return -1;
     if (want_scores && ensure_scores(s, (size_t)n_head * (size_t)n * (size_t)n_kv, err) < 0) return -1;
+    if (do_sample && ensure_sampling(s, sample_bytes, err) < 0) return -1;
     float *scores = want_scores ? s->scores : NULL, *probs = want_scores ? s->probs : NULL;
 
     /* token ids and positions reach the backend once per eval */
@@ -508,36 +553,40 @@ int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
     if (op->upload(be, sc->ids, ids, (size_t)n * sizeof(int32_t)) < 0 ||
         op->upload(be, sc->pos, s->host_pos, (size_t)n * sizeof(int32_t)) < 0)
         goto backend_fail;
+    /* the sampler's RNG and recent tokens, as this draw must see them */
+    if (do_sample && op->upload(be, s->sample_state, sample, sample_bytes) < 0) goto backend_fail;
 
     /* A decode step (one token, nothing captured) on a backend that can record: the ops are
      * recorded once and the recording is replayed at every later step, one launch instead of
-     * hundreds. Only the uploaded id and position differ between replays. */
+     * hundreds. Only the uploaded id, position and sampler state differ between replays. */
     const int replayable = n == 1 && n_captured == 0 && want_head && op->replay && !s->no_replay;
-    const int do_argmax = replayable || argmax || s->want[CAP_ARGMAX];
-    if (replayable && s->decode_rec) {
-        if (op->replay(be, s->decode_rec) < 0) goto backend_fail;
+    const int do_argmax = (replayable && !do_sample) || argmax || s->want[CAP_ARGMAX];
+    void **slot = &s->decode_rec[do_sample ? 1 + do_argmax : 0];
+    if (replayable && *slot) {
+        if (op->replay(be, *slot) < 0) goto backend_fail;
     } else if (replayable && op->record_begin(be) == 0) {
         void *rec = NULL;
-        int ran = forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, scores, probs,
-                              capture, err);
+        int ran = forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, do_sample, scores,
+                              probs, capture, err);
         if (op->record_end(be, &rec) == 0 && ran == 0) {
-            s->decode_rec = rec;
+            *slot = rec;
             if (op->replay(be, rec) < 0) goto backend_fail;
         } else {
             /* not recordable here after all: run the ops plainly from now on */
             op->recording_free(be, rec);
             s->no_replay = 1;
-            if (forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, scores, probs,
-                            capture, err) < 0)
+            if (forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, do_sample, scores,
+                            probs, capture, err) < 0)
                 return -1;
         }
-    } else if (forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, scores, probs,
-                           capture, err) < 0) {
+    } else if (forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, do_sample, scores,
+                           probs, capture, err) < 0) {
         return -1;
     }
 
     /* a download waits for the work before it; without one, wait here */
-    const int downloaded = want_head && (argmax || logits);
+    const int downloaded = want_head && (argmax || logits || do_sample);
+    if (do_sample && op->download(be, drawn, s->sample_result, sizeof *drawn) < 0) goto backend_fail;
     if (want_head) {
         if (argmax && op->download(be, argmax, s->amax, (size_t)rows * sizeof(int32_t)) < 0)
             goto backend_fail;
@@ -546,6 +595,8 @@ int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
             goto backend_fail;
     }
     if (!downloaded && op->synchronize(be) < 0) goto backend_fail;
+    if (do_sample && drawn->token < 0)   /* the eval stays undone: the position does not move */
+        return qc_fail(err, QC_ERR_VALUE, "no token can be sampled: every logit is NaN or -inf");
 
     /* the tokens are in the cache now: the next eval starts after them */
     s->pos += n;

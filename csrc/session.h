@@ -3,6 +3,7 @@
 #define QC_SESSION_H
 
 #include "model.h"
+#include "sampler.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -46,10 +47,15 @@ int qc_session_rewind(qc_session *s, int n, qc_error *err);
  * (QC_ERR_RANGE; the session is unchanged on error).
  * logits: host [n][n_vocab] when all_logits, else [1][n_vocab] for the last token; may be NULL.
  * argmax: host [n] or [1] likewise; may be NULL.
- * spec/capture: tensors whose names match spec are appended to capture; either may be NULL. */
+ * spec/capture: tensors whose names match spec are appended to capture; either may be NULL.
+ * sample: when not NULL (a sampler's state, qc_sampler_export), one draw from the last token's
+ * logits on the backend (the sample op; inside the recorded decode step on CUDA) into *drawn:
+ * the token and the RNG state after it, for qc_sampler_set_rng. No logits reach the host for
+ * it. A draw that finds every logit NaN or -inf fails (QC_ERR_VALUE) and leaves the position. */
 int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
                     const qc_capture_spec *spec, qc_capture *capture,
-                    float *logits, int32_t *argmax, qc_error *err);
+                    float *logits, int32_t *argmax, const qc_sample_state *sample,
+                    qc_sample_result *drawn, qc_error *err);
 
 #ifdef __cplusplus
 }

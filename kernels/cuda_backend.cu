@@ -1,7 +1,7 @@
 /* cuda_backend.cu: the CUDA implementation of backend.h: device selection, one stream and one
  * cuBLAS handle per backend, memory, weights (uploaded as stored: no float copy of the model),
  * and the ops table whose entries are the launchers of the op files (embed.cu, rmsnorm.cu,
- * matmul.cu, rope.cu, kv_store.cu, attention.cu, elementwise.cu, argmax.cu).
+ * matmul.cu, rope.cu, kv_store.cu, attention.cu, elementwise.cu, argmax.cu, sample.cu).
  *
  * Every CUDA/cuBLAS call goes through QC_CUDA / QC_CUBLAS (qc_cuda.cuh), which name the call,
  * the error and the source line in be->err. Non-sticky errors (out of memory, bad arguments) are
@@ -199,6 +199,12 @@ static int op_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_
     return qc_cuda_argmax(be, x, n, cols, out);
 }
 
+static int op_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
+                     void *work, void *result) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_sample(be, logits, n_vocab, state, work, result);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* recording: a decode step captured once as a CUDA graph and replayed every step */
 
@@ -259,7 +265,7 @@ static const qc_backend_ops cuda_ops = {
     cu_alloc, cu_free, cu_upload, cu_download, cu_copy, cu_weight_load, cu_weight_free,
     cu_synchronize, cu_destroy,
     op_embed, op_rmsnorm, op_matmul, op_rope, op_kv_store, op_attention, op_swiglu, op_add,
-    op_argmax,
+    op_argmax, op_sample,
     cu_record_begin, cu_record_end, cu_replay, cu_recording_free,
 };
 

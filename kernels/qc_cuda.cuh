@@ -88,6 +88,8 @@ int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, cons
 int qc_cuda_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
 int qc_cuda_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
 int qc_cuda_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
+int qc_cuda_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
+                   void *work, void *result);
 
 /* Dequantize rows [row0, row0 + nrows) of w into dst, row-major (nrows, w->cols), as f16
  * (half_out != 0) or f32. Used by matmul's cuBLAS path. */

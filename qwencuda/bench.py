@@ -3,11 +3,12 @@
     r = run_bench("model.gguf", "cpu", prompt_tokens=128, gen_tokens=32, repeats=3)
     print(format_bench(r))
 
-Each repeat opens a fresh session, prefills prompt_tokens (one call, logits of the last token)
-and then decodes gen_tokens one step at a time, greedily, through the public Session API (what
-generate() does, minus tokenizer and sampler). Every call returns only after the device has
-finished (the logits are copied to the host), so wall-clock times are synchronised. The figures
-are medians over the repeats, after one warm-up round.
+Each repeat opens a fresh session, prefills prompt_tokens (one call) and then decodes
+gen_tokens one step at a time, greedily, through the public Session API as generate() does
+(minus the tokenizer): every token is drawn on the device by a greedy Sampler and only its id
+comes back. Every call returns only after the device has finished (the token is copied to the
+host), so wall-clock times are synchronised. The figures are medians over the repeats, after one
+warm-up round.
 """
 import os
 import platform
@@ -65,13 +66,15 @@ def _type_mix(types):
 
 
 def _one_round(model, ids, gen_tokens):
+    from .sampling import Sampler
+
+    greedy = Sampler(model.config.n_vocab, temperature=0.0)
     with model.session(max_context=len(ids) + gen_tokens) as s:
         t0 = time.perf_counter()
-        tr = s.prefill(ids, logits="last")
+        token = s.prefill(ids, logits=None, sampler=greedy).token
         t1 = time.perf_counter()
-        token = int(tr.argmax[-1])
         for _ in range(gen_tokens):
-            token = int(s.step(token).argmax[-1])
+            token = s.step(token, logits=None, sampler=greedy).token
         t2 = time.perf_counter()
     return t1 - t0, t2 - t1
 

@@ -197,16 +197,18 @@ def _first_stop(text, stops) -> int:
     return min(hits) if hits else -1
 
 
-def _prefill(session, ids, progress):
-    """Feed the prompt in chunks; return the logits row of its last token."""
+def _prefill(session, ids, progress, sampler):
+    """Feed the prompt in chunks; return the first token the sampler draws after it (None
+    without a sampler)."""
     chunks = [ids[i:i + PREFILL_CHUNK] for i in range(0, len(ids), PREFILL_CHUNK)]
     with tqdm(total=len(ids), unit="tok", desc="prefill", file=sys.stderr, leave=False,
               disable=not (progress and len(chunks) > 1)) as bar:
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
-            tr = session.prefill(chunk, logits="last" if last else None)  # lm_head once
+            # the lm_head and the draw run once, on the device, after the last chunk
+            tr = session.prefill(chunk, logits=None, sampler=sampler if last else None)
             bar.update(len(chunk))
-    return tr.logits[-1]
+    return tr.token
 
 
 def _make_sampler(model, kwargs):
@@ -232,17 +234,18 @@ def _run(model, plan, stream_obj):
     try:
         session = model.session(max_context=plan.max_context)
         sampler = _make_sampler(model, plan.sampler_kwargs)
+        for t in plan.ids:   # the repetition penalty sees the prompt
+            sampler.accept(t)
         decoder = tok.stream_decoder()
         t0 = time.perf_counter()
-        logits = _prefill(session, plan.ids, plan.progress)
+        # every token is drawn on the session's device: only its id comes back, never logits
+        token = _prefill(session, plan.ids, plan.progress, sampler if plan.max_new_tokens else None)
         prefill_s = time.perf_counter() - t0
-        for t in plan.ids:
-            sampler.accept(t)
         if plan.max_new_tokens == 0:
             reason = "length"
         while reason == "cancelled":
             t0 = time.perf_counter()
-            token = int(sampler.sample(logits))
+            token = int(token)
             sampler.accept(token)
             tokens.append(token)
             out = None
@@ -260,7 +263,7 @@ def _run(model, plan, stream_obj):
                 else:
                     keep = _held_back(held, plan.stops) if plan.stops else 0
                     out, held = held[:len(held) - keep], held[len(held) - keep:]
-                    logits = session.step(token).logits[-1]
+                    token = session.step(token, logits=None, sampler=sampler).token
             decode_s += time.perf_counter() - t0
             if out:
                 yield emit(out)

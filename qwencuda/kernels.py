@@ -21,6 +21,8 @@ Numerics of the CUDA backend (tests/test_kernels.py states the tolerances):
     on tensor cores with f16 inputs (activations rounded to f16) and fp32 accumulation, except
     F32 weights (fp32 GEMM) and BF16 weights (decoded to f32, fp32 GEMM);
   - rope computes angles, sines and cosines in double, like qwencuda.reference;
+  - sample follows csrc/sampler.c's chain with the same float/double choices (masses and
+    running sums in double), selecting by radix threshold where the host sorts;
   - everything else is fp32.
 """
 from __future__ import annotations
@@ -31,7 +33,8 @@ from . import _core
 
 __all__ = [
     "Weight", "embed", "dequantize", "rmsnorm", "matmul", "rope", "kv_store", "attention",
-    "swiglu", "add", "argmax", "release", "cuda_mem_info", "time_matmul", "GEMV_MAX_TOKENS",
+    "swiglu", "add", "argmax", "sample", "release", "cuda_mem_info", "time_matmul",
+    "GEMV_MAX_TOKENS",
 ]
 
 # matmul reads the stored blocks directly (GEMV) up to this many tokens; above, dequant + cuBLAS
@@ -289,6 +292,22 @@ def argmax(x, device="cpu"):
         raise ValueError(f"argmax: x must be (cols,) or (rows, cols) with cols > 0, got {x.shape}")
     out = _core.kernel_argmax(_device(device), x.reshape(-1, x.shape[-1]))
     return int(out[0]) if x.ndim == 1 else out
+
+
+def sample(logits, sampler, device="cpu"):
+    """The next token of `sampler` (a qwencuda.Sampler) drawn from one row of logits by the
+    backend's sample op: the op a Session runs when it draws on the device. It follows the
+    sampler's chain (penalty, top-k, top-p, min-p, temperature) with the sampler's RNG and
+    recent tokens, and advances its RNG as sampler.sample(logits) would; the same state gives
+    the same token on "cpu" and "cuda" (barring a uniform number within rounding of a boundary).
+    Accepting the token (sampler.accept) is up to the caller, as with sampler.sample."""
+    x = _f32(logits, "logits")
+    if x.ndim == 2 and x.shape[0] == 1:
+        x = x[0]
+    if x.ndim != 1:
+        raise ValueError(f"sample: logits must be one row (n_vocab,), got {x.shape}")
+    core_sampler = getattr(sampler, "_s", sampler)
+    return _core.kernel_sample(_device(device), x, core_sampler)
 
 
 def time_matmul(weight, x, iters=100, device="cpu"):

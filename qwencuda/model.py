@@ -112,11 +112,16 @@ class Session:
     def closed(self) -> bool:
         return self._s is None or self._s.closed
 
-    def prefill(self, ids, capture=None, logits="last") -> Trace:
+    def prefill(self, ids, capture=None, logits="last", sampler=None) -> Trace:
         """Run ids at positions position .. position + n - 1 and advance the position.
 
-        logits: "last" (one row, default), "all" (a row per token) or None (no lm_head: for the
-        early chunks of a long prompt). capture: glob pattern(s) of capture names."""
+        logits: "last" (one row, default), "all" (a row per token) or None (none handed back;
+        without a sampler no lm_head either: for the early chunks of a long prompt).
+        capture: glob pattern(s) of capture names.
+        sampler: a qwencuda.Sampler that draws the next token from the last position's logits
+        on the session's device (Trace.token): the same chain and RNG as sampler.sample(row),
+        so the sampler's state advances alike; accept the token yourself (sampler.accept). With
+        logits=None nothing but that token comes back from the device."""
         s = self._core()
         if logits not in ("all", "last", None):
             raise ValueError(f"logits must be 'all', 'last' or None, got {logits!r}")
@@ -126,7 +131,12 @@ class Session:
             raise ValueError(f"context full: {a.size} tokens at position {s.position} exceed "
                              f"max_context {s.max_context}")
         pats = _patterns(capture, self._model.capture_names())
-        start, lg, am, tensors = s.eval(a, logits, pats)
+        core_sampler = None
+        if sampler is not None:
+            core_sampler = getattr(sampler, "_s", sampler)
+            if not isinstance(core_sampler, _core.Sampler):
+                raise TypeError(f"sampler must be a qwencuda.Sampler, not {type(sampler).__name__}")
+        start, lg, am, tensors, token = s.eval(a, logits, pats, core_sampler)
         n = a.size
         positions = np.arange(start, start + n, dtype=np.int32)
         logit_positions = None
@@ -134,13 +144,17 @@ class Session:
             logit_positions = positions if logits == "all" else positions[-1:]
         return Trace(tensors=tensors, logits=lg, argmax=am, ids=a.astype(np.int32),
                      positions=positions, logit_positions=logit_positions,
-                     source=self._model.device.split(":")[0])
+                     source=self._model.device.split(":")[0], token=token)
 
-    def step(self, token, capture=None) -> Trace:
-        """Run one token; the Trace holds the logits of its position."""
+    def step(self, token, capture=None, logits="last", sampler=None) -> Trace:
+        """Run one token; the Trace holds the logits of its position (logits="last") or not
+        (None), and with a sampler the next token drawn on the device (see prefill)."""
         if isinstance(token, (list, tuple, np.ndarray)) and np.size(token) != 1:
             raise ValueError("step() takes one token; use prefill() for several")
-        return self.prefill([int(np.asarray(token).reshape(-1)[0])], capture=capture, logits="last")
+        if logits not in ("last", None):
+            raise ValueError(f"step() logits must be 'last' or None, got {logits!r}")
+        return self.prefill([int(np.asarray(token).reshape(-1)[0])], capture=capture, logits=logits,
+                            sampler=sampler)
 
     def reset(self):
         """Empty the cache (position 0)."""

@@ -53,15 +53,18 @@ class Trace:
       positions        (n,) int32, their positions in the context
       logit_positions  (rows,) int32, the positions the logits rows belong to
       source           "cpu", "cuda", "reference", ...
+      token            the next token drawn by a sampler on the device (Session.prefill/step
+                       with sampler=), else None
 
     Dict-like: tr[name], name in tr, tr.keys(), tr.items(), len(tr), iter(tr) over the
     captured tensors.
     """
 
-    __slots__ = ("tensors", "logits", "argmax", "ids", "positions", "logit_positions", "source")
+    __slots__ = ("tensors", "logits", "argmax", "ids", "positions", "logit_positions", "source",
+                 "token")
 
     def __init__(self, tensors=None, logits=None, argmax=None, ids=None, positions=None,
-                 logit_positions=None, source="unknown"):
+                 logit_positions=None, source="unknown", token=None):
         self.tensors = dict(tensors or {})
         self.logits = None if logits is None else np.asarray(logits, dtype=np.float32)
         if self.logits is not None and self.logits.ndim == 1:
@@ -78,6 +81,7 @@ class Trace:
             logit_positions = self.positions[len(self.positions) - rows:]
         self.logit_positions = _as_int32(logit_positions, "logit_positions")
         self.source = str(source)
+        self.token = None if token is None else int(token)
 
     # ---- dict-like access to the captured tensors ----
     def __getitem__(self, name):

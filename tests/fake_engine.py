@@ -59,9 +59,14 @@ class FakeTokenizer:
 
 
 class FakeTrace:
-    def __init__(self, next_token):
-        self.logits = np.full((1, N_VOCAB), -10.0, dtype=np.float32)
-        self.logits[0, next_token] = 10.0
+    """The scripted next token as logits; with a sampler (as qwencuda's Session draws on the
+    device) also as the sampler's draw from them, in .token."""
+
+    def __init__(self, next_token, logits="last", sampler=None):
+        row = np.full((1, N_VOCAB), -10.0, dtype=np.float32)
+        row[0, next_token] = 10.0
+        self.token = None if sampler is None else int(sampler.sample(row[0]))
+        self.logits = row if logits is not None else None
 
 
 class FakeSession:
@@ -76,21 +81,21 @@ class FakeSession:
         script = self.model.script
         return script[k] if k < len(script) else IM_END
 
-    def prefill(self, ids, logits="last"):
+    def prefill(self, ids, logits="last", sampler=None):
         assert self.n_prompt is None or self.n_prompt == self.position, "prefill after step"
         if self.position + len(ids) > self.max_context:
             raise ValueError("context full")
         self.prefill_calls.append(len(ids))
         self.position += len(ids)
         self.n_prompt = self.position
-        return FakeTrace(self._next())
+        return FakeTrace(self._next(), logits, sampler)
 
-    def step(self, token):
+    def step(self, token, logits="last", sampler=None):
         if self.position + 1 > self.max_context:
             raise ValueError("context full")
         self.model.stepped.append(token)
         self.position += 1
-        return FakeTrace(self._next())
+        return FakeTrace(self._next(), logits, sampler)
 
     def close(self):
         self.closed = True

@@ -93,6 +93,7 @@ static const qc_backend_ops cpu_ops = {
     .swiglu = qc_cpu_swiglu,
     .add = qc_cpu_add,
     .argmax = qc_cpu_argmax,
+    .sample = qc_cpu_sample,
 };
 
 int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err) {

@@ -30,5 +30,7 @@ int qc_cpu_attention(qc_backend *be, const float *q, const float *k_cache, const
 int qc_cpu_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
 int qc_cpu_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
 int qc_cpu_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
+int qc_cpu_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
+                  void *work, void *result);
 
 #endif /* QC_CPU_BACKEND_H */

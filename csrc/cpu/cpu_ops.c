@@ -15,6 +15,7 @@
  *  - swiglu     out = (g / (1.0f + expf(-g))) * up, float32.
  *  - add        out = a + b, float32.
  *  - argmax     first index of the maximum; NaN never wins (a row of NaN gives 0).
+ *  - sample     qc_sample_row (sampler.c), the host sampler's own code.
  * Parallel loops (matmul rows, attention heads x queries, large elementwise ops) run on the
  * backend's thread pool with a fixed split, so results do not depend on the thread count.
  */
@@ -24,6 +25,7 @@
 #include <string.h>
 
 #include "quants.h"
+#include "sampler.h"
 
 static qc_cpu_state *state(qc_backend *be) { return be->impl; }
 
@@ -340,5 +342,18 @@ int qc_cpu_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *
             if (row[i] > row[best] || (isnan(row[best]) && !isnan(row[i]))) best = i;
         out[t] = (int32_t)best;
     }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* sample: one draw by the host sampler's chain                                                */
+
+int qc_cpu_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state_mem,
+                  void *work, void *result_mem) {
+    if (n_vocab <= 0 || n_vocab > INT32_MAX)
+        return qc_fail(&be->err, QC_ERR_VALUE, "sample: %lld logits", (long long)n_vocab);
+    qc_sample_result *res = result_mem;
+    res->token = qc_sample_row(state_mem, logits, n_vocab, work, &res->rng);
+    res->pad = 0;
     return 0;
 }
