@@ -124,6 +124,11 @@ if has_step bench && [ "$build_status" != FAILED ]; then
     done
     (cd /tmp && timeout 120 "$PY" "$top/scripts/kernel_bench.py" --device cuda) >>"$logdir/bench.log" 2>&1 \
         || echo "kernel_bench failed" >>"$logdir/bench.log"
+    # the draw on the device vs on the host, on the real file (else the Q4_K_M-shaped one)
+    sf=${QWENCUDA_MODEL:-}; [ -n "$sf" ] && [ -e "$sf" ] || sf="$synth/qwen05b-q4_k_m.gguf"
+    [ -e "$sf" ] && (cd /tmp && timeout 240 "$PY" "$top/scripts/sampling_bench.py" "$sf" cuda \
+        "${GPU_CHECK_PROMPT:-512}" "${GPU_CHECK_GEN:-128}" "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1 \
+        || echo "sampling_bench failed" >>"$logdir/bench.log"
     cat "$logdir/bench.log" 2>/dev/null
 fi
 
@@ -144,6 +149,11 @@ for path in ['$synth/tiny-q4_k_m-san.gguf', '$synth/tiny-hd128-f16-san.gguf']:
         for t in range(4):                                      # decode: the GEMV path
             tr = s.step(int(tr.argmax[-1]), capture='*')
         s.reset(); s.prefill(ids[:3], capture='*', logits='all')
+        sp = qc.Sampler(m.config.n_vocab, temperature=0.8, top_k=5, top_p=0.9, min_p=0.01,
+                        repeat_penalty=1.1, seed=1)                # the draw on the device
+        s.reset(); t = s.prefill(ids, logits=None, sampler=sp).token
+        for _ in range(3):
+            sp.accept(t); t = s.step(t, logits=None, sampler=sp).token
 print('sanitized run ok')
 ") >>"$logdir/sanitizer.log" 2>&1
         rc=$?
