@@ -4,18 +4,21 @@
  *
  * One block of 1024 threads does the whole chain: a row is ~150k values that stay in L2, a pass
  * over them costs microseconds, and one block needs no grid-wide synchronisation. Where the host
- * sorts, the device selects by threshold, which gives the same set:
- *  - top-k: a radix select (4 passes of 8 bits over an order-preserving integer key of each
- *    logit) finds the k-th best value; ties at it are taken in id order, as the host's
+ * sorts, the device selects a boundary, which gives the same set:
+ *  - top-k: the k-th best value; ties at it are taken in id order, as the host's
  *    (value desc, id asc) order does;
- *  - top-p: the same radix walk with each bucket weighted by its probability mass finds the value
- *    at which the cumulative mass of the best tokens reaches top_p; ties at it in id order.
+ *  - top-p: the value at which the cumulative temperature-1 mass of the best tokens reaches
+ *    top_p; ties at it in id order.
+ * A boundary is found in two steps (qc_select_boundary): a histogram of the candidates over
+ * 2048 linear value bins below the best (a token's bin follows its value, and the bins spread
+ * the atomics: the top bits of float keys are nearly all alike), then an exact radix select
+ * over the integer keys of the few tokens of the bin where the boundary lies.
  * The draw walks the survivors in id order, as the host does, so the same uniform number picks
  * the same token. Probability masses and the draw's running sums are double, as on the host.
  *
- * work (qc_sample_work_bytes(n) bytes): the penalised logits v[n] (floats), then the
- * temperature-1 masses of the candidates (doubles), whose first n ints also serve as the
- * penalty's duplicate marks before that.
+ * work (qc_sample_work_bytes(n) bytes): the penalised logits v[n] (floats), the temperature-1
+ * masses of the candidates (doubles; their first n ints serve as the penalty's duplicate marks
+ * before that), and the ids of the boundary bin (ints).
  */
 #include "qc_cuda.cuh"
 #include "sampler.h"
@@ -25,6 +28,7 @@
 #define QC_SAMPLE_THREADS 1024
 #define QC_SAMPLE_WARPS (QC_SAMPLE_THREADS / 32)
 #define QC_SAMPLE_ITEMS 8   /* consecutive ids per thread in the id-order scans */
+#define QC_SAMPLE_BINS 2048 /* linear value bins of a boundary search's first step */
 
 /* ---------------------------------------------------------------------------------------- */
 /* the RNG of sampler.c */
@@ -200,17 +204,147 @@ __device__ int qc_first_reaching(int n, double target, bool strict, F value, int
     return INT_MAX;
 }
 
+/* Where the cumulative weight of the candidates, taken best first (value desc, id asc), reaches
+ * need: the boundary's key, and the last id kept among the tokens with that key (INT_MAX: all
+ * of them). Every thread calls it; the answer is in *out for all after it returns.
+ * T is int (top-k: weight 1 per token) or double (top-p: the token's mass). */
+struct qc_boundary {
+    uint32_t key;
+    int last;
+};
+
+template <typename T, class Cand, class Weight>
+__device__ void qc_select_boundary(int n, T need, Cand is_cand, Weight weight, const float *v,
+                                   float vmax, float cut, int *list, qc_boundary *out) {
+    __shared__ T hist[QC_SAMPLE_BINS];
+    __shared__ int count[256];
+    __shared__ int edge, n_list, chosen;
+    __shared__ T above;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const float inv_width = QC_SAMPLE_BINS / (vmax - cut);
+    auto bin_of = [&](float x) {
+        const int b = (int)((vmax - x) * inv_width);
+        return b < QC_SAMPLE_BINS - 1 ? b : QC_SAMPLE_BINS - 1;
+    };
+
+    /* 1. the candidates' weight per linear value bin; the bin where need is reached */
+    for (int b = tid; b < QC_SAMPLE_BINS; b += QC_SAMPLE_THREADS) hist[b] = 0;
+    if (tid == 0) n_list = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += QC_SAMPLE_THREADS)
+        if (is_cand(i)) atomicAdd(&hist[bin_of(v[i])], weight(i));
+    __syncthreads();
+    if (tid < 32) {
+        /* bins in order (value descending), 256 per round, 8 per lane */
+        T run = 0, last_above = 0;
+        int found = -1, last_bin = 0;
+        for (int c = 0; c < QC_SAMPLE_BINS && found < 0; c += 256) {
+            T part[8], own = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) { part[j] = hist[c + 8 * lane + j]; own += part[j]; }
+            T incl = own;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const T y = __shfl_up_sync(0xffffffffu, incl, off);
+                if (lane >= off) incl += y;
+            }
+            T r = run + (incl - own);
+            int my_bin = -1, my_last = -1;
+            T my_above = 0, my_last_above = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (part[j] > 0) {
+                    if (my_bin < 0 && r + part[j] >= need) { my_bin = c + 8 * lane + j; my_above = r; }
+                    my_last = c + 8 * lane + j;
+                    my_last_above = r;
+                }
+                r += part[j];
+            }
+            const unsigned hit = __ballot_sync(0xffffffffu, my_bin >= 0);
+            const unsigned filled = __ballot_sync(0xffffffffu, my_last >= 0);
+            if (hit) {
+                const int src = __ffs(hit) - 1;
+                found = __shfl_sync(0xffffffffu, my_bin, src);
+                last_above = __shfl_sync(0xffffffffu, my_above, src);
+            } else if (filled) {
+                const int src = 31 - __clz(filled);
+                last_bin = __shfl_sync(0xffffffffu, my_last, src);
+                last_above = __shfl_sync(0xffffffffu, my_last_above, src);
+            }
+            run += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        /* rounding may leave the total short of need: then everything down to the last
+         * non-empty bin is kept */
+        if (lane == 0) {
+            edge = found >= 0 ? found : last_bin;
+            above = last_above;
+        }
+    }
+    __syncthreads();
+
+    /* 2. the ids of that bin (one atomic per warp) */
+    const int e = edge;
+    for (int base = 0; base < n; base += QC_SAMPLE_THREADS) {
+        const int i = base + tid;
+        const bool in = i < n && is_cand(i) && bin_of(v[i]) == e;
+        const unsigned m = __ballot_sync(0xffffffffu, in);
+        int at = 0;
+        if (lane == 0 && m) at = atomicAdd(&n_list, __popc(m));
+        at = __shfl_sync(0xffffffffu, at, 0);
+        if (in) list[at + __popc(m & ((1u << lane) - 1))] = i;
+    }
+    __syncthreads();
+
+    /* 3. radix select over their keys, 8 bits at a time */
+    T left = need - above;   /* weight still to take within the bin */
+    uint32_t prefix = 0, mask = 0;
+    const int len = n_list;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = tid; b < 256; b += QC_SAMPLE_THREADS) { hist[b] = 0; count[b] = 0; }
+        __syncthreads();
+        for (int li = tid; li < len; li += QC_SAMPLE_THREADS) {
+            const int i = list[li];
+            const uint32_t k = qc_key(v[i]);
+            if ((k & mask) == prefix) {
+                atomicAdd(&hist[(k >> shift) & 255], weight(i));
+                atomicAdd(&count[(k >> shift) & 255], 1);
+            }
+        }
+        __syncthreads();
+        if (tid < 32) qc_walk_bins<T>(hist, left, &chosen, &above);
+        __syncthreads();
+        prefix |= (uint32_t)chosen << shift;
+        mask |= 255u << shift;
+        left -= above;
+        __syncthreads();   /* above and chosen are rewritten by the next round */
+    }
+
+    /* 4. ties at the boundary key: all of them when they fit, else in id order */
+    const int ties = count[chosen];
+    const bool all_fit = sizeof(T) == sizeof(int) ? (double)left >= (double)ties : ties <= 1;
+    int last = INT_MAX;
+    if (!all_fit) {
+        const uint32_t key = prefix;
+        last = qc_first_reaching(n, (double)left, false, [&](int i) {
+            return is_cand(i) && qc_key(v[i]) == key ? (double)weight(i) : 0.0;
+        }, count);
+    }
+    if (tid == 0) {
+        out->key = prefix;
+        out->last = last;
+    }
+    __syncthreads();
+}
+
 __global__ void __launch_bounds__(QC_SAMPLE_THREADS)
 qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state *__restrict__ st,
-                 float *__restrict__ v, double *__restrict__ mass, qc_sample_result *__restrict__ result) {
+                 float *__restrict__ v, double *__restrict__ mass, int *__restrict__ list,
+                 qc_sample_result *__restrict__ result) {
     __shared__ qc_sample_plan p;
     __shared__ double sh_d[QC_SAMPLE_WARPS];
     __shared__ int sh_i[QC_SAMPLE_WARPS];
     __shared__ float sh_v[QC_SAMPLE_WARPS];
-    __shared__ int hist_n[256];          /* radix histograms: counts, and masses for top-p */
-    __shared__ double hist_m[256];
-    __shared__ int chosen, above_n;      /* qc_walk_bins' answer */
-    __shared__ double above_m;
+    __shared__ qc_boundary sel;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float temperature = st->temperature, penalty = st->repeat_penalty;
     const int n_history = st->n_history;
@@ -272,48 +406,24 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
     }
     const float vmax = p.vmax;
 
-    /* top-k: the k best, by a radix select over the keys of the candidates */
+    /* top-k: the k best */
     if (st->top_k > 0) {
         int count = 0;
         for (int i = tid; i < n; i += QC_SAMPLE_THREADS) count += v[i] >= p.cut;
         const int n_cand = (int)qc_block_sum((double)count, sh_d);
         if (st->top_k < n_cand) {
-            uint32_t prefix = 0, mask = 0;
-            int need = st->top_k;   /* tokens still to take at or below the current prefix */
-            for (int shift = 24; shift >= 0; shift -= 8) {
-                for (int b = tid; b < 256; b += QC_SAMPLE_THREADS) hist_n[b] = 0;
-                __syncthreads();
-                for (int i = tid; i < n; i += QC_SAMPLE_THREADS) {
-                    const uint32_t k = qc_key(v[i]);
-                    if (v[i] >= p.cut && (k & mask) == prefix) atomicAdd(&hist_n[(k >> shift) & 255], 1);
-                }
-                __syncthreads();
-                if (warp == 0) qc_walk_bins<int>(hist_n, need, &chosen, &above_n);
-                __syncthreads();
-                prefix |= (uint32_t)chosen << shift;
-                mask |= 255u << shift;
-                need -= above_n;
-                if (shift == 0 && tid == 0) {
-                    p.use_k = 1;
-                    p.k_key = prefix;
-                    /* every tie fits, or the need-th of them in id order is the last kept */
-                    p.k_last = need >= hist_n[chosen] ? INT_MAX : -1;
-                }
-                __syncthreads();
+            qc_select_boundary<int>(n, st->top_k, [&](int i) { return v[i] >= p.cut; },
+                                    [&](int i) { return 1; }, v, p.vmax, p.cut, list, &sel);
+            if (tid == 0) {
+                p.use_k = 1;
+                p.k_key = sel.key;
+                p.k_last = sel.last;
             }
-            if (p.k_last == -1) {
-                const uint32_t kk = p.k_key;
-                const int last = qc_first_reaching(n, (double)need, false, [&](int i) {
-                    return v[i] >= p.cut && qc_key(v[i]) == kk ? 1.0 : 0.0;
-                }, sh_i);
-                if (tid == 0) p.k_last = last;
-                __syncthreads();
-            }
+            __syncthreads();
         }
     }
 
-    /* top-p: the smallest set of the best tokens whose softmax (temperature 1) reaches top_p,
-     * by the same radix walk with each bucket weighted by its mass */
+    /* top-p: the smallest set of the best tokens whose softmax (temperature 1) reaches top_p */
     if (st->top_p < 1.0f) {
         double own = 0.0;
         for (int i = tid; i < n; i += QC_SAMPLE_THREADS) {
@@ -322,41 +432,14 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
             own += m;
         }
         const double target = (double)st->top_p * qc_block_sum(own, sh_d);
-        uint32_t prefix = 0, mask = 0;
-        double got = 0.0;   /* mass of the keys above the current prefix */
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int b = tid; b < 256; b += QC_SAMPLE_THREADS) { hist_m[b] = 0.0; hist_n[b] = 0; }
-            __syncthreads();
-            for (int i = tid; i < n; i += QC_SAMPLE_THREADS) {
-                const uint32_t k = qc_key(v[i]);
-                if (mass[i] > 0.0 && (k & mask) == prefix) {
-                    atomicAdd(&hist_m[(k >> shift) & 255], mass[i]);
-                    atomicAdd(&hist_n[(k >> shift) & 255], 1);
-                }
-            }
-            __syncthreads();
-            if (warp == 0) qc_walk_bins<double>(hist_m, target - got, &chosen, &above_m);
-            __syncthreads();
-            prefix |= (uint32_t)chosen << shift;
-            mask |= 255u << shift;
-            got += above_m;
-            if (shift == 0 && tid == 0) {
-                p.use_p = 1;
-                p.p_key = prefix;
-                /* a lone token at the boundary is kept (the mass before it is short of target) */
-                p.p_last = hist_n[chosen] <= 1 ? INT_MAX : -1;
-            }
-            __syncthreads();
+        qc_select_boundary<double>(n, target, [&](int i) { return mass[i] > 0.0; },
+                                   [&](int i) { return mass[i]; }, v, p.vmax, p.cut, list, &sel);
+        if (tid == 0) {
+            p.use_p = 1;
+            p.p_key = sel.key;
+            p.p_last = sel.last;
         }
-        if (p.p_last == -1) {
-            /* ties at the boundary value, in id order, until the mass reaches target */
-            const uint32_t pk = p.p_key;
-            const int last = qc_first_reaching(n, target - got, false, [&](int i) {
-                return qc_key(v[i]) == pk ? mass[i] : 0.0;
-            }, sh_i);
-            if (tid == 0) p.p_last = last;
-            __syncthreads();
-        }
+        __syncthreads();
     }
 
     /* min-p: keep p >= min_p * p_max, i.e. logit >= max + log(min_p) */
@@ -395,9 +478,11 @@ int qc_cuda_sample(qc_backend *be, const float *logits, int64_t n_vocab, const v
                    void *work, void *result) {
     if (n_vocab <= 0 || n_vocab > INT32_MAX)
         return qc_cuda_value_error(be, "sample: %lld logits", (long long)n_vocab);
+    /* within qc_sample_work_bytes(n) = 32 KiB + 21 n bytes: 4 n + 8 n + 4 n (+ 8 of alignment) */
     float *v = (float *)work;
     double *mass = (double *)((char *)work + (((size_t)n_vocab * sizeof(float) + 7) & ~(size_t)7));
+    int *list = (int *)(mass + n_vocab);
     qc_sample_kernel<<<1, QC_SAMPLE_THREADS, 0, qc_cuda_of(be)->stream>>>(
-        logits, (int)n_vocab, (const qc_sample_state *)state, v, mass, (qc_sample_result *)result);
+        logits, (int)n_vocab, (const qc_sample_state *)state, v, mass, list, (qc_sample_result *)result);
     return QC_LAUNCHED(be, "qc_sample_kernel");
 }
