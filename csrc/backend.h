@@ -35,6 +35,17 @@ typedef struct qc_weight {
     void *data;               /* backend copy (CPU: aliases host) */
 } qc_weight;
 
+/* One projection of matmul_multi: out[n][w->rows] = x[n][w->cols] @ W^T (+ bias[w->rows] when
+ * bias is not NULL). */
+typedef struct qc_matmul_part {
+    const qc_weight *w;
+    const float *bias;
+    float *out;
+} qc_matmul_part;
+
+/* Most projections one matmul_multi call computes (q, k and v). */
+#define QC_MATMUL_MULTI_MAX 3
+
 typedef struct qc_backend qc_backend;
 
 typedef struct qc_backend_ops {
@@ -87,6 +98,29 @@ typedef struct qc_backend_ops {
      * a recorded decode step samples with whatever state was uploaded before its replay. */
     int (*sample)(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
                   void *work, void *result);
+
+    /* ---- fused ops: each computes what a sequence of the ops above computes, with the same
+     * float operations where the backend can keep them (the CPU always; CUDA up to
+     * QC_GEMV_MAX_TOKENS tokens), in one pass instead of several. The forward pass uses them
+     * unless a capture asks for an intermediate that they never write. ---- */
+    /* out[n][rows] = residual[n][rows] + x[n][cols] @ W^T: matmul (no bias), then add.
+     * residual may alias out (the residual stream updated in place). */
+    int (*matmul_add)(qc_backend *be, const qc_weight *w, const float *x, int n,
+                      const float *residual, float *out);
+    /* matmul of one x by n_parts (1..QC_MATMUL_MULTI_MAX) weights with the same cols, each with
+     * its own type, rows, bias and output: q, k and v in one launch. The outputs must not
+     * overlap x or each other. */
+    int (*matmul_multi)(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
+                        int n);
+    /* act[n][rows] = silu(x @ Wg^T) * (x @ Wu^T): matmul by w_gate and by w_up (no biases), then
+     * swiglu. w_gate and w_up have the same shape (rows, cols); their types may differ. */
+    int (*matmul_swiglu)(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
+                         const float *x, int n, float *act);
+    /* rope of q[n][n_head][head_dim] and of k[n][n_head_kv][head_dim] in place at pos[t], then
+     * kv_store of the rotated k and of v[n][n_head_kv * head_dim] into the caches at pos[t]. */
+    int (*rope_kv_store)(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
+                         int n, int n_head, int n_head_kv, int head_dim, float theta,
+                         float *k_cache, float *v_cache);
 
     /* ---- optional (NULL where unsupported): record a sequence of ops once, replay it ----
      * Between record_begin and record_end the ops are recorded, not run; replay runs the

@@ -247,7 +247,7 @@ struct kernel_job {
     int out_alias[QC_JOB_MAX];      /* >= 0: the output is (in place) that input's buffer */
     int n_out;
     void *d_in[QC_JOB_MAX], *d_out[QC_JOB_MAX];   /* backend buffers */
-    qc_weight *w;                   /* loaded before the op and freed after, when not NULL */
+    qc_weight *w[QC_MATMUL_MULTI_MAX];   /* loaded before the op and freed after (NULL: none) */
     job_op op;
     int empty;                      /* nothing to compute (zero tokens): skip the backend */
     int i0, i1, i2, i3, i4;         /* op parameters */
@@ -273,7 +273,9 @@ static int job_work(qc_backend *be, call_bufs *bufs, void *ctx) {
     kernel_job *j = ctx;
     int rc = 0;
     if (j->empty) return 0;
-    if (j->w && be->ops->weight_load(be, j->w) < 0) return -1;
+    int n_w = 0;                    /* weights whose load was tried: all freed below */
+    while (rc == 0 && n_w < QC_MATMUL_MULTI_MAX && j->w[n_w])
+        rc = be->ops->weight_load(be, j->w[n_w++]);
     for (int i = 0; i < j->n_in && rc == 0; i++) rc = buf_put(bufs, j->in[i], j->in_bytes[i], &j->d_in[i]);
     for (int i = 0; i < j->n_out && rc == 0; i++) {
         if (j->out_alias[i] >= 0) j->d_out[i] = j->d_in[j->out_alias[i]];
@@ -282,10 +284,10 @@ static int job_work(qc_backend *be, call_bufs *bufs, void *ctx) {
     if (rc == 0) rc = j->op(be, j);
     for (int i = 0; i < j->n_out && rc == 0; i++)
         if (j->out[i]) rc = be->ops->download(be, j->out[i], j->d_out[i], j->out_bytes[i]);
-    if (j->w) {
+    if (n_w) {
         qc_error keep = be->err;
-        be->ops->synchronize(be);   /* no queued kernel may still read the weight */
-        be->ops->weight_free(be, j->w);
+        be->ops->synchronize(be);   /* no queued kernel may still read the weights */
+        for (int i = 0; i < n_w; i++) be->ops->weight_free(be, j->w[i]);   /* safe after a failed load */
         be->err = keep;
     }
     return rc < 0 ? -1 : 0;
@@ -305,7 +307,7 @@ static int run_job(cached_backend *c, kernel_job *j) {
 /* the kernels */
 
 static int op_embed(qc_backend *be, kernel_job *j) {
-    return be->ops->embed(be, j->w, (const int32_t *)j->d_in[0], j->i0, (float *)j->d_out[0]);
+    return be->ops->embed(be, j->w[0], (const int32_t *)j->d_in[0], j->i0, (float *)j->d_out[0]);
 }
 
 /* embed rows ids of a weight table; shared by kernel_embed and kernel_dequantize */
@@ -327,7 +329,7 @@ static PyObject *run_embed(cached_backend *c, weight_arg *wa, PyArrayObject *ids
     PyArrayObject *out = new_array(NPY_FLOAT32, 2, shape);
     if (out == NULL) return NULL;
     j.op = op_embed;
-    j.w = &wa->w;
+    j.w[0] = &wa->w;
     j.empty = n == 0;
     j.i0 = (int)n;
     job_in(&j, idv, (size_t)n * sizeof(int32_t));
@@ -387,7 +389,7 @@ done:
 static int op_matmul(qc_backend *be, kernel_job *j) {
     /* inputs: x, then the bias when there is one */
     const float *bias = j->n_in > 1 ? (const float *)j->d_in[1] : NULL;
-    return be->ops->matmul(be, j->w, bias, (const float *)j->d_in[0], j->i0, (float *)j->d_out[0]);
+    return be->ops->matmul(be, j->w[0], bias, (const float *)j->d_in[0], j->i0, (float *)j->d_out[0]);
 }
 
 static PyObject *kernel_matmul(PyObject *self, PyObject *args) {
@@ -424,7 +426,7 @@ static PyObject *kernel_matmul(PyObject *self, PyObject *args) {
     shape[1] = (npy_intp)wa.w.rows;
     if ((out = new_array(NPY_FLOAT32, 2, shape)) == NULL) goto fail;
     j.op = op_matmul;
-    j.w = &wa.w;
+    j.w[0] = &wa.w;
     j.i0 = (int)shape[0];
     j.empty = shape[0] == 0;
     job_in(&j, PyArray_DATA(x), nbytes_of(x));
@@ -440,6 +442,194 @@ fail:
     Py_XDECREF(bias);
     Py_XDECREF(out);
     weight_arg_release(&wa);
+    return NULL;
+}
+
+/* x as a float32 (n, cols) array for weights of cols columns; NULL with an exception */
+static PyArrayObject *matmul_x(PyObject *xobj, int64_t cols, const char *what) {
+    PyArrayObject *x = as_array(xobj, NPY_FLOAT32, 2, what);
+    if (x == NULL) return NULL;
+    if (PyArray_DIM(x, 1) != cols || PyArray_DIM(x, 0) > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: x must be (n, %lld) with n < 2^31, got %zd columns", what,
+                     (long long)cols, (Py_ssize_t)PyArray_DIM(x, 1));
+        Py_DECREF(x);
+        return NULL;
+    }
+    return x;
+}
+
+static int op_matmul_add(qc_backend *be, kernel_job *j) {
+    /* inputs: x, residual; output: out (residual's buffer when in place) */
+    return be->ops->matmul_add(be, j->w[0], (const float *)j->d_in[0], j->i0, (const float *)j->d_in[1],
+                               (float *)j->d_out[0]);
+}
+
+static PyObject *kernel_matmul_add(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *wobj, *xobj, *robj;
+    int in_place;
+    weight_arg wa;
+    PyArrayObject *x = NULL, *res = NULL, *out = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    if (!PyArg_ParseTuple(args, "sOOOp", &device, &wobj, &xobj, &robj, &in_place)) return NULL;
+    if (weight_arg_parse(wobj, &wa) < 0) return NULL;
+    if ((c = get_backend(device)) == NULL) goto fail;
+    if ((x = matmul_x(xobj, wa.w.cols, "matmul_add")) == NULL ||
+        (res = as_array(robj, NPY_FLOAT32, 2, "matmul_add residual")) == NULL)
+        goto fail;
+    if (PyArray_DIM(res, 0) != PyArray_DIM(x, 0) || PyArray_DIM(res, 1) != wa.w.rows) {
+        PyErr_Format(PyExc_ValueError, "matmul_add: residual must be (%zd, %lld), got (%zd, %zd)",
+                     (Py_ssize_t)PyArray_DIM(x, 0), (long long)wa.w.rows, (Py_ssize_t)PyArray_DIM(res, 0),
+                     (Py_ssize_t)PyArray_DIM(res, 1));
+        goto fail;
+    }
+    if ((out = new_array(NPY_FLOAT32, 2, PyArray_DIMS(res))) == NULL) goto fail;
+    j.op = op_matmul_add;
+    j.w[0] = &wa.w;
+    j.i0 = (int)PyArray_DIM(x, 0);
+    j.empty = PyArray_DIM(x, 0) == 0;
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    job_in(&j, PyArray_DATA(res), nbytes_of(res));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), in_place ? 1 : -1);
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(x);
+    Py_DECREF(res);
+    weight_arg_release(&wa);
+    return (PyObject *)out;
+fail:
+    Py_XDECREF(x);
+    Py_XDECREF(res);
+    Py_XDECREF(out);
+    weight_arg_release(&wa);
+    return NULL;
+}
+
+static int op_matmul_multi(qc_backend *be, kernel_job *j) {
+    /* inputs: x, then the biases present (i1 = bitmask of the parts that have one); outputs in
+     * part order */
+    qc_matmul_part parts[QC_MATMUL_MULTI_MAX];
+    int next_in = 1;
+    for (int i = 0; i < j->n_out; i++) {
+        parts[i].w = j->w[i];
+        parts[i].bias = (j->i1 >> i) & 1 ? (const float *)j->d_in[next_in++] : NULL;
+        parts[i].out = (float *)j->d_out[i];
+    }
+    return be->ops->matmul_multi(be, parts, j->n_out, (const float *)j->d_in[0], j->i0);
+}
+
+static PyObject *kernel_matmul_multi(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *wseq, *xobj, *bseq;
+    weight_arg wa[QC_MATMUL_MULTI_MAX];
+    PyArrayObject *x = NULL, *bias[QC_MATMUL_MULTI_MAX] = {NULL}, *out[QC_MATMUL_MULTI_MAX] = {NULL};
+    PyObject *res = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    int n_parts = 0, n_parsed = 0;
+    if (!PyArg_ParseTuple(args, "sO!OO!", &device, &PyTuple_Type, &wseq, &xobj, &PyTuple_Type, &bseq))
+        return NULL;
+    n_parts = (int)PyTuple_GET_SIZE(wseq);
+    if (n_parts < 1 || n_parts > QC_MATMUL_MULTI_MAX || PyTuple_GET_SIZE(bseq) != n_parts) {
+        PyErr_Format(PyExc_ValueError, "matmul_multi: 1 to %d weights and as many biases (or None), got %d and %zd",
+                     QC_MATMUL_MULTI_MAX, n_parts, PyTuple_GET_SIZE(bseq));
+        return NULL;
+    }
+    for (; n_parsed < n_parts; n_parsed++)
+        if (weight_arg_parse(PyTuple_GET_ITEM(wseq, n_parsed), &wa[n_parsed]) < 0) goto done;
+    for (int i = 1; i < n_parts; i++)
+        if (wa[i].w.cols != wa[0].w.cols) {
+            PyErr_Format(PyExc_ValueError, "matmul_multi: weight %d has %lld columns, weight 0 has %lld", i,
+                         (long long)wa[i].w.cols, (long long)wa[0].w.cols);
+            goto done;
+        }
+    if ((c = get_backend(device)) == NULL) goto done;
+    if ((x = matmul_x(xobj, wa[0].w.cols, "matmul_multi")) == NULL) goto done;
+    j.op = op_matmul_multi;
+    j.i0 = (int)PyArray_DIM(x, 0);
+    j.empty = PyArray_DIM(x, 0) == 0;
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    for (int i = 0; i < n_parts; i++) {
+        PyObject *b = PyTuple_GET_ITEM(bseq, i);
+        npy_intp shape[2] = {PyArray_DIM(x, 0), (npy_intp)wa[i].w.rows};
+        j.w[i] = &wa[i].w;
+        if (b != Py_None) {
+            if ((bias[i] = as_array(b, NPY_FLOAT32, 1, "matmul_multi bias")) == NULL) goto done;
+            if (PyArray_DIM(bias[i], 0) != wa[i].w.rows) {
+                PyErr_Format(PyExc_ValueError, "matmul_multi: bias %d has %zd values, its weight %lld rows", i,
+                             (Py_ssize_t)PyArray_DIM(bias[i], 0), (long long)wa[i].w.rows);
+                goto done;
+            }
+            j.i1 |= 1 << i;
+            job_in(&j, PyArray_DATA(bias[i]), nbytes_of(bias[i]));
+        }
+        if ((out[i] = new_array(NPY_FLOAT32, 2, shape)) == NULL) goto done;
+        job_out(&j, PyArray_DATA(out[i]), nbytes_of(out[i]), -1);
+    }
+    if (run_job(c, &j) < 0) goto done;
+    if ((res = PyTuple_New(n_parts)) == NULL) goto done;
+    for (int i = 0; i < n_parts; i++) {
+        PyTuple_SET_ITEM(res, i, (PyObject *)out[i]);   /* steals the reference */
+        out[i] = NULL;
+    }
+done:
+    Py_XDECREF(x);
+    for (int i = 0; i < QC_MATMUL_MULTI_MAX; i++) {
+        Py_XDECREF(bias[i]);
+        Py_XDECREF(out[i]);
+    }
+    for (int i = 0; i < n_parsed; i++) weight_arg_release(&wa[i]);
+    return res;
+}
+
+static int op_matmul_swiglu(qc_backend *be, kernel_job *j) {
+    return be->ops->matmul_swiglu(be, j->w[0], j->w[1], (const float *)j->d_in[0], j->i0, (float *)j->d_out[0]);
+}
+
+static PyObject *kernel_matmul_swiglu(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *gobj, *uobj, *xobj;
+    weight_arg wg, wu;
+    PyArrayObject *x = NULL, *out = NULL;
+    kernel_job j = {0};
+    cached_backend *c;
+    npy_intp shape[2];
+    if (!PyArg_ParseTuple(args, "sOOO", &device, &gobj, &uobj, &xobj)) return NULL;
+    if (weight_arg_parse(gobj, &wg) < 0) return NULL;
+    if (weight_arg_parse(uobj, &wu) < 0) {
+        weight_arg_release(&wg);
+        return NULL;
+    }
+    if (wg.w.rows != wu.w.rows || wg.w.cols != wu.w.cols) {
+        PyErr_Format(PyExc_ValueError, "matmul_swiglu: gate (%lld, %lld) and up (%lld, %lld) differ in shape",
+                     (long long)wg.w.rows, (long long)wg.w.cols, (long long)wu.w.rows, (long long)wu.w.cols);
+        goto fail;
+    }
+    if ((c = get_backend(device)) == NULL) goto fail;
+    if ((x = matmul_x(xobj, wg.w.cols, "matmul_swiglu")) == NULL) goto fail;
+    shape[0] = PyArray_DIM(x, 0);
+    shape[1] = (npy_intp)wg.w.rows;
+    if ((out = new_array(NPY_FLOAT32, 2, shape)) == NULL) goto fail;
+    j.op = op_matmul_swiglu;
+    j.w[0] = &wg.w;
+    j.w[1] = &wu.w;
+    j.i0 = (int)shape[0];
+    j.empty = shape[0] == 0;
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    job_out(&j, PyArray_DATA(out), nbytes_of(out), -1);
+    if (run_job(c, &j) < 0) goto fail;
+    Py_DECREF(x);
+    weight_arg_release(&wg);
+    weight_arg_release(&wu);
+    return (PyObject *)out;
+fail:
+    Py_XDECREF(x);
+    Py_XDECREF(out);
+    weight_arg_release(&wg);
+    weight_arg_release(&wu);
     return NULL;
 }
 
@@ -614,6 +804,74 @@ fail:
     Py_XDECREF(vc);
     Py_XDECREF(kc_out);
     Py_XDECREF(vc_out);
+    return NULL;
+}
+
+static int op_rope_kv_store(qc_backend *be, kernel_job *j) {
+    /* inputs: q, k, v, pos, k_cache, v_cache (q, k and the caches updated in place);
+     * i0 n, i1 n_head, i2 n_head_kv, i3 head_dim, f0 theta */
+    return be->ops->rope_kv_store(be, (float *)j->d_in[0], (float *)j->d_in[1], (const float *)j->d_in[2],
+                                  (const int32_t *)j->d_in[3], j->i0, j->i1, j->i2, j->i3, j->f0,
+                                  (float *)j->d_in[4], (float *)j->d_in[5]);
+}
+
+static PyObject *kernel_rope_kv_store(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *qobj, *kobj, *vobj, *pobj, *kcobj, *vcobj;
+    float theta;
+    PyArrayObject *in[6] = {NULL}, *out[4] = {NULL};
+    kernel_job j = {0};
+    cached_backend *c;
+    if (!PyArg_ParseTuple(args, "sOOOOOOf", &device, &qobj, &kobj, &vobj, &pobj, &kcobj, &vcobj, &theta))
+        return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    PyArrayObject **q = &in[0], **k = &in[1], **v = &in[2], **pos = &in[3], **kc = &in[4], **vc = &in[5];
+    if ((*q = as_array(qobj, NPY_FLOAT32, 3, "rope_kv_store q (n, n_head, head_dim)")) == NULL ||
+        (*k = as_array(kobj, NPY_FLOAT32, 3, "rope_kv_store k (n, n_head_kv, head_dim)")) == NULL ||
+        (*v = as_array(vobj, NPY_FLOAT32, 3, "rope_kv_store v (n, n_head_kv, head_dim)")) == NULL ||
+        (*pos = as_array(pobj, NPY_INT32, 1, "rope_kv_store positions")) == NULL ||
+        (*kc = as_array(kcobj, NPY_FLOAT32, 2, "rope_kv_store k_cache")) == NULL ||
+        (*vc = as_array(vcobj, NPY_FLOAT32, 2, "rope_kv_store v_cache")) == NULL)
+        goto fail;
+    const npy_intp n = PyArray_DIM(*q, 0), n_head = PyArray_DIM(*q, 1), hd = PyArray_DIM(*q, 2);
+    const npy_intp n_head_kv = PyArray_DIM(*k, 1);
+    if (!PyArray_SAMESHAPE(*k, *v) || PyArray_DIM(*k, 0) != n || PyArray_DIM(*k, 2) != hd ||
+        PyArray_DIM(*pos, 0) != n || !PyArray_SAMESHAPE(*kc, *vc) || PyArray_DIM(*kc, 1) != n_head_kv * hd) {
+        PyErr_SetString(PyExc_ValueError, "rope_kv_store: q must be (n, n_head, head_dim), k and v (n, n_head_kv, "
+                                          "head_dim), positions (n,), the caches (max_ctx, n_head_kv * head_dim)");
+        goto fail;
+    }
+    if (hd % 2 != 0 || n > INT32_MAX || n_head < 1 || n_head > INT32_MAX || n_head_kv < 1 ||
+        n_head_kv * hd > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "rope_kv_store: bad shape (head_dim %zd must be even and positive)",
+                     (Py_ssize_t)hd);
+        goto fail;
+    }
+    if (check_positions(*pos, PyArray_DIM(*kc, 0), "rope_kv_store") < 0) goto fail;
+    if ((out[0] = new_array(NPY_FLOAT32, 3, PyArray_DIMS(*q))) == NULL ||
+        (out[1] = new_array(NPY_FLOAT32, 3, PyArray_DIMS(*k))) == NULL ||
+        (out[2] = new_array(NPY_FLOAT32, 2, PyArray_DIMS(*kc))) == NULL ||
+        (out[3] = new_array(NPY_FLOAT32, 2, PyArray_DIMS(*vc))) == NULL)
+        goto fail;
+    j.op = op_rope_kv_store;
+    j.i0 = (int)n;
+    j.i1 = (int)n_head;
+    j.i2 = (int)n_head_kv;
+    j.i3 = (int)hd;
+    j.f0 = theta;
+    j.empty = n == 0 || hd == 0;
+    for (int i = 0; i < 6; i++) job_in(&j, PyArray_DATA(in[i]), nbytes_of(in[i]));
+    job_out(&j, PyArray_DATA(out[0]), nbytes_of(out[0]), 0);   /* rotated q, in place */
+    job_out(&j, PyArray_DATA(out[1]), nbytes_of(out[1]), 1);   /* rotated k, in place */
+    job_out(&j, PyArray_DATA(out[2]), nbytes_of(out[2]), 4);   /* the caches, updated */
+    job_out(&j, PyArray_DATA(out[3]), nbytes_of(out[3]), 5);
+    if (run_job(c, &j) < 0) goto fail;
+    for (int i = 0; i < 6; i++) Py_DECREF(in[i]);
+    return Py_BuildValue("(NNNN)", out[0], out[1], out[2], out[3]);
+fail:
+    for (int i = 0; i < 6; i++) Py_XDECREF(in[i]);
+    for (int i = 0; i < 4; i++) Py_XDECREF(out[i]);
     return NULL;
 }
 
@@ -895,7 +1153,7 @@ static PyObject *kernel_time_matmul(PyObject *self, PyObject *args) {
         goto done;
     }
     j.op = op_time_matmul;
-    j.w = &wa.w;
+    j.w[0] = &wa.w;
     j.i0 = (int)PyArray_DIM(x, 0);
     j.i1 = iters;
     job_in(&j, PyArray_DATA(x), nbytes_of(x));
@@ -963,6 +1221,16 @@ static PyMethodDef kernel_methods[] = {
      "kernel_rope(device, x float32 (n, heads, head_dim), pos int32 (n,), theta) -> rotated copy of x"},
     {"kernel_kv_store", kernel_kv_store, METH_VARARGS,
      "kernel_kv_store(device, k, v (n, kv_dim), pos (n,), k_cache, v_cache (max_ctx, kv_dim)) -> (k_cache, v_cache) updated copies"},
+    {"kernel_matmul_add", kernel_matmul_add, METH_VARARGS,
+     "kernel_matmul_add(device, (raw, type, rows, cols), x (n, cols), residual (n, rows), in_place) -> "
+     "residual + x @ W^T (in_place: the op writes over the residual's backend buffer)"},
+    {"kernel_matmul_multi", kernel_matmul_multi, METH_VARARGS,
+     "kernel_matmul_multi(device, (weight, ...), x (n, cols), (bias or None, ...)) -> (x @ W_i^T + b_i, ...)"},
+    {"kernel_matmul_swiglu", kernel_matmul_swiglu, METH_VARARGS,
+     "kernel_matmul_swiglu(device, gate weight, up weight, x (n, cols)) -> silu(x @ Wg^T) * (x @ Wu^T)"},
+    {"kernel_rope_kv_store", kernel_rope_kv_store, METH_VARARGS,
+     "kernel_rope_kv_store(device, q (n, n_head, hd), k, v (n, n_head_kv, hd), pos (n,), k_cache, v_cache "
+     "(max_ctx, n_head_kv*hd), theta) -> (q rotated, k rotated, k_cache, v_cache) updated copies"},
     {"kernel_attention", kernel_attention, METH_VARARGS,
      "kernel_attention(device, q (n, n_head, hd), k_cache, v_cache (max_ctx, n_head_kv*hd), pos (n,), n_kv, "
      "n_head_kv, want_scores) -> (out (n, n_head*hd), scores, probs (n_head, n, n_kv) or None)"},

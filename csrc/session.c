@@ -5,6 +5,12 @@
  * `rows` tokens per eval (grown only when a longer prefill comes, so a decode step allocates
  * nothing), and the lm_head output. Capture copies a named activation to host memory right after
  * the step that produced it, and only when one of the caller's patterns names it.
+ *
+ * The forward pass runs the fused ops of backend.h (q/k/v in one matmul, RoPE with the cache
+ * write, residual adds in the matmul epilogues, gate/up with SwiGLU) wherever the eval captures
+ * none of the intermediates they skip; elsewhere it runs the unfused sequence, which computes
+ * the same numbers (bit for bit but in the CUDA prefill's GEMM epilogue), so a capture does not
+ * change what it observes.
  */
 #include "session.h"
 
@@ -67,6 +73,7 @@ struct qc_session {
     size_t sample_state_cap;
     void *sample_work;        /* (qc_sample_work_bytes(n_vocab)) */
     void *sample_result;      /* one qc_sample_result */
+    int no_fusion;            /* QWENCUDA_NO_FUSION: never the fused ops (to measure them) */
     unsigned char *want;      /* [CAP_N_GLOBAL + n_layer * L_N_NAMES] capture this eval? */
     int n_wanted;             /* nonzero entries of want */
 };
@@ -114,11 +121,16 @@ static int capture_put(qc_session *s, qc_capture *c, const char *name, const voi
     return 0;
 }
 
+/* Whether this eval captures blk.<layer>.<layer_names[which]>. */
+static int layer_wants(const qc_session *s, int layer, int which) {
+    return s->want[CAP_N_GLOBAL + (size_t)layer * L_N_NAMES + which];
+}
+
 /* A per-layer capture, when wanted: blk.L.<name> of shape (d0[, d1[, d2]]). */
 static int capture_layer(qc_session *s, qc_capture *c, int layer, int which, const float *src,
                          int ndim, int64_t d0, int64_t d1, int64_t d2, qc_error *err) {
     char name[64];
-    if (!s->want[CAP_N_GLOBAL + (size_t)layer * L_N_NAMES + which]) return 0;
+    if (!layer_wants(s, layer, which)) return 0;
     snprintf(name, sizeof name, "blk.%d.%s", layer, layer_names[which]);
     return capture_put(s, c, name, src, QC_DTYPE_F32, ndim, d0, d1, d2, err);
 }
@@ -161,8 +173,8 @@ static int mark_wanted(qc_session *s, const qc_capture_spec *spec) {
 }
 
 static int any_layer_wants(const qc_session *s, int which) {
-    for (int64_t l = 0; l < s->m->cfg.n_layer; l++)
-        if (s->want[CAP_N_GLOBAL + (size_t)l * L_N_NAMES + which]) return 1;
+    for (int l = 0; l < (int)s->m->cfg.n_layer; l++)
+        if (layer_wants(s, l, which)) return 1;
     return 0;
 }
 
@@ -327,6 +339,9 @@ int qc_session_create(qc_model *m, int max_ctx, qc_session **out, qc_error *err)
     /* QWENCUDA_NO_GRAPHS=1 runs every decode step op by op (to measure or to debug replay) */
     const char *no_graphs = getenv("QWENCUDA_NO_GRAPHS");
     s->no_replay = no_graphs && *no_graphs && strcmp(no_graphs, "0") != 0;
+    /* QWENCUDA_NO_FUSION=1 runs the unfused op sequences everywhere (to measure the fused ops) */
+    const char *no_fusion = getenv("QWENCUDA_NO_FUSION");
+    s->no_fusion = no_fusion && *no_fusion && strcmp(no_fusion, "0") != 0;
     s->k_cache = calloc((size_t)c->n_layer, sizeof *s->k_cache);
     s->v_cache = calloc((size_t)c->n_layer, sizeof *s->v_cache);
     s->want = calloc(CAP_N_GLOBAL + (size_t)c->n_layer * L_N_NAMES, 1);
@@ -413,32 +428,48 @@ static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits,
 
     for (int l = 0; l < (int)c->n_layer; l++) {
         const qc_layer *L = &m->layers[l];
+        /* A fused op runs unless this eval captures an intermediate that it never writes:
+         * q and k before RoPE, attn_proj, gate and up, ffn_out. Everything else the fused ops
+         * leave in the same buffers as the unfused ones, so its capture is unchanged. */
+        const int fuse = !s->no_fusion;
+        const int fuse_rope = fuse && !layer_wants(s, l, L_Q) && !layer_wants(s, l, L_K);
+        const int fuse_o = fuse && !layer_wants(s, l, L_ATTN_PROJ);
+        const int fuse_gate_up = fuse && !layer_wants(s, l, L_GATE) && !layer_wants(s, l, L_UP);
+        const int fuse_down = fuse && !layer_wants(s, l, L_FFN_OUT);
 
         /* attention RMSNorm: xn = x / rms(x) * attn_norm */
         if (op->rmsnorm(be, sc->x, L->attn_norm, n, dim, eps, sc->xn) < 0) goto backend_fail;
         if (capture_layer(s, capture, l, L_ATTN_NORM, sc->xn, 2, n, dim, 0, err) < 0) goto fail;
 
-        /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them) */
-        if (op->matmul(be, &L->wq, L->bq, sc->xn, n, sc->q) < 0 ||
-            op->matmul(be, &L->wk, L->bk, sc->xn, n, sc->k) < 0 ||
-            op->matmul(be, &L->wv, L->bv, sc->xn, n, sc->v) < 0)
+        /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them), in one pass */
+        if (fuse) {
+            const qc_matmul_part qkv[3] = {
+                {&L->wq, L->bq, sc->q}, {&L->wk, L->bk, sc->k}, {&L->wv, L->bv, sc->v}};
+            if (op->matmul_multi(be, qkv, 3, sc->xn, n) < 0) goto backend_fail;
+        } else if (op->matmul(be, &L->wq, L->bq, sc->xn, n, sc->q) < 0 ||
+                   op->matmul(be, &L->wk, L->bk, sc->xn, n, sc->k) < 0 ||
+                   op->matmul(be, &L->wv, L->bv, sc->xn, n, sc->v) < 0) {
             goto backend_fail;
+        }
         if (capture_layer(s, capture, l, L_Q, sc->q, 3, n, n_head, hd, err) < 0 ||
             capture_layer(s, capture, l, L_K, sc->k, 3, n, n_head_kv, hd, err) < 0 ||
             capture_layer(s, capture, l, L_V, sc->v, 3, n, n_head_kv, hd, err) < 0)
             goto fail;
 
-        /* RoPE, NEOX pairs (i, i + head_dim/2), on q and k at their positions */
-        if (op->rope(be, sc->q, sc->pos, n, n_head, hd, c->rope_theta) < 0 ||
-            op->rope(be, sc->k, sc->pos, n, n_head_kv, hd, c->rope_theta) < 0)
+        /* RoPE, NEOX pairs (i, i + head_dim/2), on q and k at their positions; the rotated k
+         * and the v of these tokens go into the cache at their positions */
+        if (fuse_rope) {
+            if (op->rope_kv_store(be, sc->q, sc->k, sc->v, sc->pos, n, n_head, n_head_kv, hd,
+                                  c->rope_theta, s->k_cache[l], s->v_cache[l]) < 0)
+                goto backend_fail;
+        } else if (op->rope(be, sc->q, sc->pos, n, n_head, hd, c->rope_theta) < 0 ||
+                   op->rope(be, sc->k, sc->pos, n, n_head_kv, hd, c->rope_theta) < 0 ||
+                   op->kv_store(be, sc->k, sc->v, sc->pos, n, kv_dim, s->k_cache[l], s->v_cache[l]) < 0) {
             goto backend_fail;
+        }
         if (capture_layer(s, capture, l, L_Q_ROPE, sc->q, 3, n, n_head, hd, err) < 0 ||
             capture_layer(s, capture, l, L_K_ROPE, sc->k, 3, n, n_head_kv, hd, err) < 0)
             goto fail;
-
-        /* the rotated k and the v of these tokens go into the cache at their positions */
-        if (op->kv_store(be, sc->k, sc->v, sc->pos, n, kv_dim, s->k_cache[l], s->v_cache[l]) < 0)
-            goto backend_fail;
 
         /* causal GQA attention: query head h reads KV head h / (n_head / n_head_kv), keys 0..pos */
         if (op->attention(be, sc->q, s->k_cache[l], s->v_cache[l], sc->pos, n, n_kv, n_head,
@@ -449,10 +480,14 @@ static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits,
             capture_layer(s, capture, l, L_ATTN_OUT, sc->att, 2, n, q_dim, 0, err) < 0)
             goto fail;
 
-        /* output projection (no bias), then the residual: x = x + att @ Wo^T */
-        if (op->matmul(be, &L->wo, NULL, sc->att, n, sc->y) < 0) goto backend_fail;
-        if (capture_layer(s, capture, l, L_ATTN_PROJ, sc->y, 2, n, dim, 0, err) < 0) goto fail;
-        if (op->add(be, sc->x, sc->y, (int64_t)n * dim, sc->x) < 0) goto backend_fail;
+        /* output projection (no bias) and the residual: x = x + att @ Wo^T */
+        if (fuse_o) {
+            if (op->matmul_add(be, &L->wo, sc->att, n, sc->x, sc->x) < 0) goto backend_fail;
+        } else {
+            if (op->matmul(be, &L->wo, NULL, sc->att, n, sc->y) < 0) goto backend_fail;
+            if (capture_layer(s, capture, l, L_ATTN_PROJ, sc->y, 2, n, dim, 0, err) < 0) goto fail;
+            if (op->add(be, sc->x, sc->y, (int64_t)n * dim, sc->x) < 0) goto backend_fail;
+        }
         if (capture_layer(s, capture, l, L_RESID_MID, sc->x, 2, n, dim, 0, err) < 0) goto fail;
 
         /* feed-forward RMSNorm */
@@ -460,19 +495,27 @@ static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits,
         if (capture_layer(s, capture, l, L_FFN_NORM, sc->xn, 2, n, dim, 0, err) < 0) goto fail;
 
         /* gate and up projections, act = silu(gate) * up */
-        if (op->matmul(be, &L->w_gate, NULL, sc->xn, n, sc->gate) < 0 ||
-            op->matmul(be, &L->w_up, NULL, sc->xn, n, sc->up) < 0)
-            goto backend_fail;
-        if (capture_layer(s, capture, l, L_GATE, sc->gate, 2, n, ffn, 0, err) < 0 ||
-            capture_layer(s, capture, l, L_UP, sc->up, 2, n, ffn, 0, err) < 0)
-            goto fail;
-        if (op->swiglu(be, sc->gate, sc->up, (int64_t)n * ffn, sc->act) < 0) goto backend_fail;
+        if (fuse_gate_up) {
+            if (op->matmul_swiglu(be, &L->w_gate, &L->w_up, sc->xn, n, sc->act) < 0) goto backend_fail;
+        } else {
+            if (op->matmul(be, &L->w_gate, NULL, sc->xn, n, sc->gate) < 0 ||
+                op->matmul(be, &L->w_up, NULL, sc->xn, n, sc->up) < 0)
+                goto backend_fail;
+            if (capture_layer(s, capture, l, L_GATE, sc->gate, 2, n, ffn, 0, err) < 0 ||
+                capture_layer(s, capture, l, L_UP, sc->up, 2, n, ffn, 0, err) < 0)
+                goto fail;
+            if (op->swiglu(be, sc->gate, sc->up, (int64_t)n * ffn, sc->act) < 0) goto backend_fail;
+        }
         if (capture_layer(s, capture, l, L_FFN_ACT, sc->act, 2, n, ffn, 0, err) < 0) goto fail;
 
-        /* down projection, then the residual: x = x + act @ Wdown^T */
-        if (op->matmul(be, &L->w_down, NULL, sc->act, n, sc->y) < 0) goto backend_fail;
-        if (capture_layer(s, capture, l, L_FFN_OUT, sc->y, 2, n, dim, 0, err) < 0) goto fail;
-        if (op->add(be, sc->x, sc->y, (int64_t)n * dim, sc->x) < 0) goto backend_fail;
+        /* down projection and the residual: x = x + act @ Wdown^T */
+        if (fuse_down) {
+            if (op->matmul_add(be, &L->w_down, sc->act, n, sc->x, sc->x) < 0) goto backend_fail;
+        } else {
+            if (op->matmul(be, &L->w_down, NULL, sc->act, n, sc->y) < 0) goto backend_fail;
+            if (capture_layer(s, capture, l, L_FFN_OUT, sc->y, 2, n, dim, 0, err) < 0) goto fail;
+            if (op->add(be, sc->x, sc->y, (int64_t)n * dim, sc->x) < 0) goto backend_fail;
+        }
         if (capture_layer(s, capture, l, L_RESID_OUT, sc->x, 2, n, dim, 0, err) < 0) goto fail;
     }
 

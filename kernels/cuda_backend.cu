@@ -1,7 +1,8 @@
 /* cuda_backend.cu: the CUDA implementation of backend.h: device selection, one stream and one
  * cuBLAS handle per backend, memory, weights (uploaded as stored: no float copy of the model),
  * and the ops table whose entries are the launchers of the op files (embed.cu, rmsnorm.cu,
- * matmul.cu, rope.cu, kv_store.cu, attention.cu, elementwise.cu, argmax.cu, sample.cu).
+ * matmul.cu, matmul_multi.cu, matmul_swiglu.cu, rope.cu, kv_store.cu, attention.cu,
+ * elementwise.cu, argmax.cu, sample.cu).
  *
  * Every CUDA/cuBLAS call goes through QC_CUDA / QC_CUBLAS (qc_cuda.cuh), which name the call,
  * the error and the source line in be->err. Non-sticky errors (out of memory, bad arguments) are
@@ -205,6 +206,32 @@ static int op_sample(qc_backend *be, const float *logits, int64_t n_vocab, const
     return qc_cuda_sample(be, logits, n_vocab, state, work, result);
 }
 
+static int op_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
+                         const float *residual, float *out) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_matmul_add(be, w, x, n, residual, out);
+}
+
+static int op_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
+                           int n) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_matmul_multi(be, parts, n_parts, x, n);
+}
+
+static int op_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
+                            const float *x, int n, float *act) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_matmul_swiglu(be, w_gate, w_up, x, n, act);
+}
+
+static int op_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
+                            int n, int n_head, int n_head_kv, int head_dim, float theta,
+                            float *k_cache, float *v_cache) {
+    if (use_device(be) < 0) return -1;
+    return qc_cuda_rope_kv_store(be, q, k, v, pos, n, n_head, n_head_kv, head_dim, theta, k_cache,
+                                 v_cache);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* recording: a decode step captured once as a CUDA graph and replayed every step */
 
@@ -251,6 +278,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->stream) cudaStreamSynchronize(cu->stream);
             if (cu->scratch_w) cudaFree(cu->scratch_w);
             if (cu->scratch_x) cudaFree(cu->scratch_x);
+            if (cu->scratch_up) cudaFree(cu->scratch_up);
             if (cu->attn_part) cudaFree(cu->attn_part);
             if (cu->blas) cublasDestroy(cu->blas);
             if (cu->stream) cudaStreamDestroy(cu->stream);
@@ -266,6 +294,7 @@ static const qc_backend_ops cuda_ops = {
     cu_synchronize, cu_destroy,
     op_embed, op_rmsnorm, op_matmul, op_rope, op_kv_store, op_attention, op_swiglu, op_add,
     op_argmax, op_sample,
+    op_matmul_add, op_matmul_multi, op_matmul_swiglu, op_rope_kv_store,
     cu_record_begin, cu_record_end, cu_replay, cu_recording_free,
 };
 

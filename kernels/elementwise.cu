@@ -8,13 +8,11 @@
 #define QC_EW_THREADS 256
 #define QC_EW_MAX_BLOCKS 4096
 
-/* out = silu(gate) * up, silu(g) = g / (1 + exp(-g)) in fp32 (as the reference writes it). */
+/* out = silu(gate) * up (qc_silu_mul) */
 __global__ void qc_swiglu_kernel(const float *gate, const float *up, int64_t count, float *out) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
-    }
+         i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = qc_silu_mul(gate[i], up[i]);
 }
 
 __global__ void qc_add_kernel(const float *a, const float *b, int64_t count, float *out) {

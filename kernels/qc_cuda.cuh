@@ -1,10 +1,10 @@
 /* qc_cuda.cuh: what every CUDA op file shares: the backend's private state, the one error
- * check for CUDA and cuBLAS calls, and the launchers (one per op file) that cuda_backend.cu
- * calls from the backend.h ops table.
+ * check for CUDA and cuBLAS calls, and the launchers (one per op) that cuda_backend.cu calls
+ * from the backend.h ops table.
  *
  * Conventions of the launchers: they enqueue work on the backend's one stream and never
- * synchronize the host, never allocate (except the prefill scratch of matmul, which grows only
- * when a bigger matrix arrives), and read positions and token ids from device memory, so the
+ * synchronize the host, never allocate (except the prefill scratch of matmul and
+ * matmul_swiglu, which grows only when a bigger matrix arrives), and read positions and token ids from device memory, so the
  * decode step can later be captured as one CUDA graph. Each returns 0, or -1 with be->err set.
  */
 #ifndef QC_CUDA_CUH
@@ -27,6 +27,9 @@ typedef struct qc_cuda {
     size_t scratch_w_bytes;
     void *scratch_x;
     size_t scratch_x_bytes;
+    /* prefill scratch of matmul_swiglu: the up projection (n, ffn) beside the gate in act */
+    void *scratch_up;
+    size_t scratch_up_bytes;
     /* split-K attention partials of short evals: (m, l, acc[head_dim]) per token, head and
      * split. Allocated once at creation, so a decode step recorded as a graph never allocates. */
     float *attn_part;
@@ -72,7 +75,8 @@ int qc_cuda_scratch(qc_backend *be, void **buf, size_t *cap, size_t bytes);
  * blocks directly; above it, it dequantizes and calls cuBLAS. */
 #define QC_GEMV_MAX_TOKENS 8
 
-/* ---- launchers, one per op file; arguments as in backend.h ---- */
+/* ---- launchers, one per op, in the op's file or its closest relative's; arguments as in
+ * backend.h ---- */
 int qc_cuda_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out);
 int qc_cuda_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
                     float *out);
@@ -90,6 +94,15 @@ int qc_cuda_add(qc_backend *be, const float *a, const float *b, int64_t count, f
 int qc_cuda_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
 int qc_cuda_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
                    void *work, void *result);
+int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
+                       const float *residual, float *out);                        /* matmul.cu */
+int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
+                         int n);
+int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
+                          const float *x, int n, float *act);
+int qc_cuda_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
+                          int n, int n_head, int n_head_kv, int head_dim, float theta,
+                          float *k_cache, float *v_cache);                        /* rope.cu */
 
 /* Dequantize rows [row0, row0 + nrows) of w into dst, row-major (nrows, w->cols), as f16
  * (half_out != 0) or f32. Used by matmul's cuBLAS path. */
@@ -99,6 +112,13 @@ int qc_cuda_dequantize_rows(qc_backend *be, const qc_weight *w, int64_t row0, in
 int qc_cuda_add_bias(qc_backend *be, float *out, const float *bias, int n, int64_t rows);
 /* f32 -> f16, count values. */
 int qc_cuda_to_half(qc_backend *be, const float *src, void *dst, int64_t count);
+
+/* silu(g) * u = g / (1 + exp(-g)) * u in fp32 (as the reference writes it): the one expression
+ * of swiglu and matmul_swiglu. Explicitly rounded operations, so that no FMA contraction with
+ * the inlined expf can differ between the two kernels: they agree bit for bit. */
+__device__ __forceinline__ float qc_silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
 
 /* Grid size for a grid-stride loop over count items with `threads` per block. */
 static inline unsigned qc_grid_for(int64_t count, int threads, int max_blocks) {

@@ -1,10 +1,30 @@
 /* rope.cu: NEOX rotary embedding in place: for i < head_dim/2 the pair (i, i + head_dim/2) of
- * every head of token t is rotated by the angle pos[t] * theta^(-2i/head_dim).
+ * every head of token t is rotated by the angle pos[t] * theta^(-2i/head_dim). And
+ * rope_kv_store: the rotation of q and k and the KV-cache write of the rotated k and of v, in
+ * one launch.
  *
  * The angle, its sine and cosine and the rotation are computed in double and rounded once to
  * float, like qwencuda.reference: in float the angle alone would be off by up to ~1e-3 rad at
- * position 32k. Positions come from device memory (graph-ready). */
+ * position 32k. Both kernels rotate with qc_rope_pair, whose products and sums are explicitly
+ * rounded (no FMA contraction that could differ between the two), so rope_kv_store gives rope's
+ * bits. Positions come from device memory (graph-ready). */
 #include "qc_cuda.cuh"
+
+/* Rotate the pair (v[i], v[i + head_dim/2]) of one head vector in place by the angle
+ * pos * theta^(-2i/head_dim); returns the rotated pair. */
+__device__ __forceinline__ float2 qc_rope_pair(float *v, int i, int head_dim, int32_t pos,
+                                               double theta) {
+    const int half = head_dim / 2;
+    const double inv_freq = pow(theta, -2.0 * i / head_dim);
+    double s, c;
+    sincos((double)pos * inv_freq, &s, &c);
+    const double a = v[i], b = v[i + half];
+    const float2 rot = make_float2((float)__dsub_rn(__dmul_rn(a, c), __dmul_rn(b, s)),
+                                   (float)__dadd_rn(__dmul_rn(a, s), __dmul_rn(b, c)));
+    v[i] = rot.x;
+    v[i + half] = rot.y;
+    return rot;
+}
 
 __global__ void qc_rope_kernel(float *__restrict__ x, const int32_t *__restrict__ pos, int n,
                                int n_heads, int head_dim, double theta) {
@@ -15,13 +35,7 @@ __global__ void qc_rope_kernel(float *__restrict__ x, const int32_t *__restrict_
         const int i = (int)(idx % half);
         const int64_t th = idx / half;          /* token * n_heads + head */
         const int t = (int)(th / n_heads);
-        const double inv_freq = pow(theta, -2.0 * i / head_dim);
-        double s, c;
-        sincos((double)pos[t] * inv_freq, &s, &c);
-        float *v = x + th * head_dim;
-        const double a = v[i], b = v[i + half];
-        v[i] = (float)(a * c - b * s);
-        v[i + half] = (float)(a * s + b * c);
+        qc_rope_pair(x + th * head_dim, i, head_dim, pos[t], theta);
     }
 }
 
@@ -34,4 +48,52 @@ int qc_cuda_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_head
     qc_rope_kernel<<<qc_grid_for(total, 256, 65535), 256, 0, cu->stream>>>(
         x, pos, n, n_heads, head_dim, (double)theta);
     return QC_LAUNCHED(be, "qc_rope_kernel");
+}
+
+/* Per token, items [0, (n_head + n_head_kv) * half) are the pairs of q's heads and then k's
+ * (a k pair also goes to k_cache), and the next kv_dim items copy v into v_cache. */
+__global__ void qc_rope_kv_store_kernel(float *__restrict__ q, float *__restrict__ k,
+                                        const float *__restrict__ v,
+                                        const int32_t *__restrict__ pos, int n, int n_head,
+                                        int n_head_kv, int head_dim, double theta,
+                                        float *__restrict__ k_cache, float *__restrict__ v_cache) {
+    const int half = head_dim / 2;
+    const int64_t kv_dim = (int64_t)n_head_kv * head_dim;
+    const int64_t pairs = (int64_t)(n_head + n_head_kv) * half;
+    const int64_t per_token = pairs + kv_dim;
+    const int64_t total = (int64_t)n * per_token;
+    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int t = (int)(idx / per_token);
+        const int64_t item = idx % per_token;
+        const int64_t row = (int64_t)pos[t] * kv_dim;   /* this token's cache row */
+        if (item < pairs) {
+            const int h = (int)(item / half), i = (int)(item % half);
+            if (h < n_head) {
+                qc_rope_pair(q + ((int64_t)t * n_head + h) * head_dim, i, head_dim, pos[t], theta);
+            } else {
+                const int64_t off = (int64_t)(h - n_head) * head_dim;   /* KV head within the row */
+                const float2 rot = qc_rope_pair(k + t * kv_dim + off, i, head_dim, pos[t], theta);
+                k_cache[row + off + i] = rot.x;
+                k_cache[row + off + i + half] = rot.y;
+            }
+        } else {
+            const int64_t e = item - pairs;
+            v_cache[row + e] = v[t * kv_dim + e];
+        }
+    }
+}
+
+int qc_cuda_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
+                          int n, int n_head, int n_head_kv, int head_dim, float theta,
+                          float *k_cache, float *v_cache) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (head_dim % 2 != 0 || head_dim <= 0 || n_head <= 0 || n_head_kv <= 0)
+        return qc_cuda_value_error(be, "rope_kv_store: bad shape heads=%d kv_heads=%d head_dim=%d", n_head,
+                                   n_head_kv, head_dim);
+    const int64_t total = (int64_t)n * ((int64_t)(n_head + n_head_kv) * (head_dim / 2) + (int64_t)n_head_kv * head_dim);
+    if (total <= 0) return 0;
+    qc_rope_kv_store_kernel<<<qc_grid_for(total, 256, 65535), 256, 0, cu->stream>>>(
+        q, k, v, pos, n, n_head, n_head_kv, head_dim, (double)theta, k_cache, v_cache);
+    return QC_LAUNCHED(be, "qc_rope_kv_store_kernel");
 }

@@ -24,6 +24,11 @@ Numerics of the CUDA backend (tests/test_kernels.py states the tolerances):
   - sample follows csrc/sampler.c's chain with the same float/double choices (masses and
     running sums in double), selecting by radix threshold where the host sorts;
   - everything else is fp32.
+
+The fused ops (matmul_add, matmul_multi, matmul_swiglu, rope_kv_store) compute what their
+unfused sequences compute, with the same float operations: bit-identical on the CPU, and on CUDA
+wherever the GEMV runs (n <= GEMV_MAX_TOKENS); matmul_add's cuBLAS path adds the residual inside
+the GEMM (beta = 1), which may round differently from a separate add.
 """
 from __future__ import annotations
 
@@ -33,12 +38,14 @@ from . import _core
 
 __all__ = [
     "Weight", "embed", "dequantize", "rmsnorm", "matmul", "rope", "kv_store", "attention",
-    "swiglu", "add", "argmax", "sample", "release", "cuda_mem_info", "time_matmul",
-    "GEMV_MAX_TOKENS",
+    "swiglu", "add", "argmax", "sample", "matmul_add", "matmul_multi", "matmul_swiglu",
+    "rope_kv_store", "release", "cuda_mem_info", "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
 ]
 
 # matmul reads the stored blocks directly (GEMV) up to this many tokens; above, dequant + cuBLAS
 GEMV_MAX_TOKENS = 8
+# most weights one matmul_multi call takes (q, k and v)
+MATMUL_MULTI_MAX = 3
 
 _TYPES = None
 
@@ -308,6 +315,95 @@ def sample(logits, sampler, device="cpu"):
         raise ValueError(f"sample: logits must be one row (n_vocab,), got {x.shape}")
     core_sampler = getattr(sampler, "_s", sampler)
     return _core.kernel_sample(_device(device), x, core_sampler)
+
+
+# --------------------------------------------------------------------------------------------
+# fused ops: one pass for what the forward pass would otherwise do in several
+
+
+def _matmul_x(x, cols, op):
+    x = _f32(x, "x")
+    if x.ndim == 0 or x.shape[-1] != cols:
+        raise ValueError(f"{op}: x's last axis must be the weight's {cols} columns, got shape {x.shape}")
+    return x
+
+
+def matmul_add(weight, x, residual, device="cpu", in_place=True):
+    """residual + x @ W.T (matmul then add, in one op): x (..., cols), residual (..., rows).
+
+    in_place: the op writes over the residual's backend buffer, as the forward pass does with the
+    residual stream (the NumPy residual is never modified); False gives it a separate output."""
+    w = _weight(weight)
+    rows, cols = w.shape
+    x = _matmul_x(x, cols, "matmul_add")
+    residual = _f32(residual, "residual")
+    if residual.shape != x.shape[:-1] + (rows,):
+        raise ValueError(f"matmul_add: residual must have shape {x.shape[:-1] + (rows,)}, got {residual.shape}")
+    out = _core.kernel_matmul_add(_device(device), w._arg(), x.reshape(-1, cols), residual.reshape(-1, rows),
+                                  bool(in_place))
+    return out.reshape(residual.shape)
+
+
+def matmul_multi(weights, x, biases=None, device="cpu"):
+    """(x @ W_i.T + b_i for each weight) in one op: up to MATMUL_MULTI_MAX weights with the same
+    columns, each of its own type and rows (q, k and v). biases: None, or one bias (or None) per
+    weight. Returns a tuple of arrays (..., rows_i)."""
+    ws = [_weight(w) for w in weights]
+    if not 1 <= len(ws) <= MATMUL_MULTI_MAX:
+        raise ValueError(f"matmul_multi: 1 to {MATMUL_MULTI_MAX} weights, got {len(ws)}")
+    cols = ws[0].shape[1]
+    if any(w.shape[1] != cols for w in ws):
+        raise ValueError(f"matmul_multi: the weights' columns differ: {[w.shape for w in ws]}")
+    x = _matmul_x(x, cols, "matmul_multi")
+    if biases is None:
+        biases = [None] * len(ws)
+    biases = list(biases)
+    if len(biases) != len(ws):
+        raise ValueError(f"matmul_multi: {len(biases)} biases for {len(ws)} weights")
+    for i, (w, b) in enumerate(zip(ws, biases)):
+        if b is not None:
+            b = biases[i] = _f32(b, f"biases[{i}]", 1)
+            if b.shape[0] != w.shape[0]:
+                raise ValueError(f"matmul_multi: bias {i} has {b.shape[0]} values, its weight {w.shape[0]} rows")
+    outs = _core.kernel_matmul_multi(_device(device), tuple(w._arg() for w in ws), x.reshape(-1, cols),
+                                     tuple(biases))
+    return tuple(o.reshape(*x.shape[:-1], w.shape[0]) for o, w in zip(outs, ws))
+
+
+def matmul_swiglu(w_gate, w_up, x, device="cpu"):
+    """silu(x @ Wg.T) * (x @ Wu.T) (matmul, matmul, swiglu in one op): gate and up weights of one
+    shape (rows, cols), types may differ; x (..., cols) -> (..., rows)."""
+    g, u = _weight(w_gate), _weight(w_up)
+    if g.shape != u.shape:
+        raise ValueError(f"matmul_swiglu: gate {g.shape} and up {u.shape} differ in shape")
+    rows, cols = g.shape
+    x = _matmul_x(x, cols, "matmul_swiglu")
+    out = _core.kernel_matmul_swiglu(_device(device), g._arg(), u._arg(), x.reshape(-1, cols))
+    return out.reshape(*x.shape[:-1], rows)
+
+
+def rope_kv_store(q, k, v, pos, k_cache, v_cache, theta=1e6, device="cpu"):
+    """rope of q (tokens, n_head, head_dim) and k (tokens, n_head_kv, head_dim) at pos, then
+    kv_store of the rotated k and of v (tokens, n_head_kv, head_dim) into the caches
+    (max_ctx, n_head_kv * head_dim), in one op. Returns new arrays (q_rope, k_rope, k_cache,
+    v_cache); the inputs are not modified."""
+    q = _f32(q, "q", 3)
+    k = _f32(k, "k", 3)
+    v = _f32(v, "v", 3)
+    k_cache = _f32(k_cache, "k_cache", 2)
+    v_cache = _f32(v_cache, "v_cache", 2)
+    n, _, hd = q.shape
+    if hd % 2:
+        raise ValueError(f"rope_kv_store: head_dim {hd} must be even")
+    if k.shape != v.shape or k.shape[0] != n or k.shape[2] != hd:
+        raise ValueError(f"rope_kv_store: k {k.shape} and v {v.shape} must be ({n}, n_head_kv, {hd})")
+    kv_dim = k.shape[1] * hd
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] != kv_dim:
+        raise ValueError(f"rope_kv_store: caches {k_cache.shape}, {v_cache.shape} must be (max_ctx, {kv_dim})")
+    pos = _i32(pos, "pos", n)
+    if pos.size and (pos.min() < 0 or pos.max() >= k_cache.shape[0]):
+        raise ValueError(f"rope_kv_store: positions must be in [0, {k_cache.shape[0]})")
+    return _core.kernel_rope_kv_store(_device(device), q, k, v, pos, k_cache, v_cache, float(theta))
 
 
 def time_matmul(weight, x, iters=100, device="cpu"):

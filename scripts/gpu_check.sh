@@ -6,7 +6,7 @@
 #   4. `python -m qwencuda bench` (prompt 512, decode 128) on the synthetic files and the real one,
 #      and scripts/kernel_bench.py (matmul per weight type at 0.5B shapes: us and GB/s);
 #   5. compute-sanitizer memcheck of short CUDA generations (prefill on both matmul paths, decode
-#      steps, every capture);
+#      steps; with every capture (the unfused ops) and without (the fused ops, replayed decode));
 #   6. a report bench/results/<date>-<commit>-<device>.md.
 # When $OUT is set (the device tool) the report and the logs are also copied there: at most 7
 # files, no folders, so they all come back.
@@ -122,6 +122,13 @@ if has_step bench && [ "$build_status" != FAILED ]; then
             --prompt-tokens "${GPU_CHECK_PROMPT:-512}" --gen-tokens "${GPU_CHECK_GEN:-128}" \
             --repeats "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1 || echo "bench failed: $f" >>"$logdir/bench.log"
     done
+    # the last file again without the fused ops (QWENCUDA_NO_FUSION=1), to see what they buy
+    if [ "${#files[@]}" -gt 0 ]; then
+        echo "without fusion (QWENCUDA_NO_FUSION=1):" >>"$logdir/bench.log"
+        (cd /tmp && QWENCUDA_NO_FUSION=1 timeout 240 "$PY" -m qwencuda bench --model "${files[-1]}" --device cuda \
+            --prompt-tokens "${GPU_CHECK_PROMPT:-512}" --gen-tokens "${GPU_CHECK_GEN:-128}" \
+            --repeats "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1 || echo "bench failed: ${files[-1]}" >>"$logdir/bench.log"
+    fi
     (cd /tmp && timeout 120 "$PY" "$top/scripts/kernel_bench.py" --device cuda) >>"$logdir/bench.log" 2>&1 \
         || echo "kernel_bench failed" >>"$logdir/bench.log"
     # the draw on the device vs on the host, on the real file (else the Q4_K_M-shaped one)
@@ -143,17 +150,18 @@ testing.write_model('$synth/tiny-hd128-f16-san.gguf', config='tiny-hd128', weigh
             "$PY" -c "
 import numpy as np, qwencuda as qc
 for path in ['$synth/tiny-q4_k_m-san.gguf', '$synth/tiny-hd128-f16-san.gguf']:
-    with qc.Model(path, device='cuda') as m, m.session(max_context=64) as s:
-        ids = np.arange(1, 13, dtype=np.int32)
-        tr = s.prefill(ids, capture='*', logits='all')          # 12 tokens: the cuBLAS path
-        for t in range(4):                                      # decode: the GEMV path
-            tr = s.step(int(tr.argmax[-1]), capture='*')
-        s.reset(); s.prefill(ids[:3], capture='*', logits='all')
-        sp = qc.Sampler(m.config.n_vocab, temperature=0.8, top_k=5, top_p=0.9, min_p=0.01,
-                        repeat_penalty=1.1, seed=1)                # the draw on the device
-        s.reset(); t = s.prefill(ids, logits=None, sampler=sp).token
-        for _ in range(3):
-            sp.accept(t); t = s.step(t, logits=None, sampler=sp).token
+    for capture in ('*', None):                                 # unfused ops, then the fused ones
+        with qc.Model(path, device='cuda') as m, m.session(max_context=64) as s:
+            ids = np.arange(1, 13, dtype=np.int32)
+            tr = s.prefill(ids, capture=capture, logits='all')  # 12 tokens: the cuBLAS path
+            for t in range(4):                                  # decode: the GEMV path (replayed)
+                tr = s.step(int(tr.argmax[-1]), capture=capture)
+            s.reset(); s.prefill(ids[:3], capture=capture, logits='all')
+            sp = qc.Sampler(m.config.n_vocab, temperature=0.8, top_k=5, top_p=0.9, min_p=0.01,
+                            repeat_penalty=1.1, seed=1)            # the draw on the device
+            s.reset(); t = s.prefill(ids, logits=None, sampler=sp).token
+            for _ in range(3):
+                sp.accept(t); t = s.step(t, logits=None, sampler=sp).token
 print('sanitized run ok')
 ") >>"$logdir/sanitizer.log" 2>&1
         rc=$?
@@ -173,7 +181,7 @@ fi
     echo "- build: $build_status"
     echo "- build_info: \`$info\`"
     echo "- tests: $test_summary"
-    echo "- sanitizer (memcheck, tiny models, prefill + decode + capture): $san_summary"
+    echo "- sanitizer (memcheck, tiny models, prefill + decode, with and without capture): $san_summary"
     echo
     echo "## Failures"
     echo

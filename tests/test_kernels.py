@@ -364,6 +364,191 @@ def test_argmax(device, cols):
 
 
 # --------------------------------------------------------------------------------------------
+# fused ops: against NumPy, and equal to the op sequences they replace
+#
+# Each fused op computes its sequence's float operations (csrc/backend.h): the tests demand the
+# same bits as the unfused ops on the CPU and on the CUDA GEMV path (n <= 8 tokens), where both
+# run the same device functions, and for rope_kv_store everywhere. On the cuBLAS path (n > 8)
+# matmul_multi and matmul_swiglu make the very cuBLAS calls of matmul, but cuBLAS does not
+# promise the same kernel choice for other buffers, and matmul_add adds the residual inside the
+# GEMM (beta = 1): there the fused ops are held to the matmul tolerance against NumPy.
+
+
+def _compatible_types(cols):
+    """The weight types whose rows can hold cols values (to mix types in one fused call)."""
+    return [t for t in ALL_TYPES if cols % (_BLOCK[t][0] if t in _BLOCK else 1) == 0]
+
+
+def _other_type(type_name, cols, k):
+    types = _compatible_types(cols)
+    return types[(types.index(type_name) + k) % len(types)]
+
+
+def _gemv_path(device, n):
+    return device == "cpu" or n <= K.GEMV_MAX_TOKENS
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matmul_add(device, type_name, n):
+    rows, cols = 130, _default_cols(type_name)
+    w, wref = random_weight(type_name, rows, cols, seed=30)
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    res = (rng.standard_normal((n, rows)) * 4).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = res + x64 @ wref.T
+    scale = np.abs(x64) @ np.abs(wref).T + np.abs(res)
+    rtol = 2e-3 if _f16_path(device, type_name, n) else 1e-5
+    for in_place in (True, False):
+        got = K.matmul_add(w, x, res, device=device, in_place=in_place)
+        assert got.shape == (n, rows) and got.dtype == np.float32
+        check_close(got, ref, scale, rtol, f"matmul_add {type_name} n={n} in_place={in_place} on {device}")
+        if _gemv_path(device, n):
+            np.testing.assert_array_equal(got, K.add(res, K.matmul(w, x, device=device), device=device))
+    assert K.matmul_add(w, x[0], res[0], device=device).shape == (rows,)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matmul_multi(device, type_name, n):
+    """Three weights of different types and row counts (130, 17, 5: blocks of 4 rows end
+    part-way), biases on two of them; the first weight's type runs through every type."""
+    cols = _default_cols(type_name)
+    types = [type_name, _other_type(type_name, cols, 1), _other_type(type_name, cols, 2)]
+    shapes = [(130, cols), (17, cols), (5, cols)]
+    pairs = [random_weight(t, r, c, seed=32 + i) for i, (t, (r, c)) in enumerate(zip(types, shapes))]
+    rng = np.random.default_rng(35)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    biases = [(rng.standard_normal(130) * 10).astype(np.float32), None,
+              (rng.standard_normal(5) * 10).astype(np.float32)]
+    outs = K.matmul_multi([w for w, _ in pairs], x, biases, device=device)
+    assert len(outs) == 3
+    x64 = x.astype(np.float64)
+    for i, ((w, wref), b, got, t) in enumerate(zip(pairs, biases, outs, types)):
+        b64 = np.zeros(w.shape[0]) if b is None else b.astype(np.float64)
+        assert got.shape == (n, w.shape[0]) and got.dtype == np.float32
+        rtol = 2e-3 if _f16_path(device, t, n) else 1e-5
+        check_close(got, x64 @ wref.T + b64, np.abs(x64) @ np.abs(wref).T + np.abs(b64), rtol,
+                    f"matmul_multi part {i} ({t}) n={n} on {device}")
+        if _gemv_path(device, n):   # the same numbers as one matmul per weight
+            np.testing.assert_array_equal(got, K.matmul(w, x, bias=b, device=device))
+
+
+def test_matmul_multi_q4_k_m_mix(device, tmp_path):
+    """q, k, v of qwencuda.testing's q4_k_m files (the real file's mix), with their biases."""
+    from qwencuda.testing import write_model
+
+    path = write_model(str(tmp_path / "m.gguf"), config="tiny-hd64", weight_type="q4_k_m")
+    f = qwencuda.GGUFFile(path)
+    names = [f"blk.0.attn_{p}.weight" for p in "qkv"]
+    ws = [K.Weight.from_gguf(f, nm) for nm in names]
+    biases = [f.tensor(nm.replace("weight", "bias")) for nm in names]
+    rng = np.random.default_rng(36)
+    assert len({w.type for w in ws}) >= 2, [w.type for w in ws]
+    for n in (1, 5, 12):
+        x = rng.standard_normal((n, ws[0].shape[1])).astype(np.float32)
+        outs = K.matmul_multi(ws, x, biases, device=device)
+        for w, b, got in zip(ws, biases, outs):
+            want = K.matmul(w, x, bias=b, device=device)
+            if _gemv_path(device, n):
+                np.testing.assert_array_equal(got, want)
+            else:
+                np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matmul_swiglu(device, type_name, n):
+    rows, cols = 130, _default_cols(type_name)
+    rng = np.random.default_rng(37)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    # gate and up of one type, then of two types (a file may mix them)
+    for up_type in (type_name, _other_type(type_name, cols, 1)):
+        wg, gref = random_weight(type_name, rows, cols, seed=38)
+        wu, uref = random_weight(up_type, rows, cols, seed=39)
+        got = K.matmul_swiglu(wg, wu, x, device=device)
+        assert got.shape == (n, rows) and got.dtype == np.float32
+        g, u = x64 @ gref.T, x64 @ uref.T
+        sg = 0.5 * (1 + np.tanh(0.5 * g))       # the logistic function, without overflow
+        ref = g * sg * u
+        # an error e_g in g moves silu(g) by at most 1.1 e_g; an error e_u in u moves act by silu(g) e_u
+        scale_g, scale_u = np.abs(x64) @ np.abs(gref).T, np.abs(x64) @ np.abs(uref).T
+        scale = 1.1 * scale_g * np.abs(u) + np.abs(g * sg) * scale_u + np.abs(ref)
+        f16 = _f16_path(device, type_name, n) or _f16_path(device, up_type, n)
+        check_close(got, ref, scale, 2e-3 if f16 else 1e-5,
+                    f"matmul_swiglu {type_name}/{up_type} n={n} on {device}")
+        if _gemv_path(device, n):
+            unfused = K.swiglu(K.matmul(wg, x, device=device), K.matmul(wu, x, device=device), device=device)
+            np.testing.assert_array_equal(got, unfused)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("positions", ["prefill", "late", "decode"])
+@pytest.mark.parametrize("ratio", [1, 7])
+def test_rope_kv_store(device, head_dim, positions, ratio):
+    pos = {"prefill": np.arange(13), "late": np.array([4095, 130, 7]),
+           "decode": np.array([1000])}[positions].astype(np.int32)
+    n, n_head_kv = len(pos), 2
+    n_head = n_head_kv * ratio
+    ctx = int(pos.max()) + 3
+    rng = np.random.default_rng(40)
+    q = (rng.standard_normal((n, n_head, head_dim)) * 5).astype(np.float32)
+    k = (rng.standard_normal((n, n_head_kv, head_dim)) * 5).astype(np.float32)
+    v = rng.standard_normal((n, n_head_kv, head_dim)).astype(np.float32)
+    kc = rng.standard_normal((ctx, n_head_kv * head_dim)).astype(np.float32)
+    vc = rng.standard_normal((ctx, n_head_kv * head_dim)).astype(np.float32)
+    keep = [a.copy() for a in (q, k, v, kc, vc)]
+    q_rot, k_rot, kc2, vc2 = K.rope_kv_store(q, k, v, pos, kc, vc, theta=1e6, device=device)
+    for a, b in zip((q, k, v, kc, vc), keep):
+        np.testing.assert_array_equal(a, b)          # the inputs are not modified
+    half = head_dim // 2
+
+    def pair_scale(x):
+        return np.sqrt(np.concatenate([x[..., :half] ** 2 + x[..., half:] ** 2] * 2, axis=-1))
+
+    check_close(q_rot, rope_ref(q, pos, 1e6), pair_scale(q), 1e-5, "rope_kv_store q")
+    check_close(k_rot, rope_ref(k, pos, 1e6), pair_scale(k), 1e-5, "rope_kv_store k")
+    want_k, want_v = kc.copy(), vc.copy()
+    want_k[pos], want_v[pos] = k_rot.reshape(n, -1), v.reshape(n, -1)
+    np.testing.assert_array_equal(kc2, want_k)       # rows not at pos untouched
+    np.testing.assert_array_equal(vc2, want_v)
+    # the same bits as rope, rope, kv_store
+    np.testing.assert_array_equal(q_rot, K.rope(q, pos, theta=1e6, device=device))
+    np.testing.assert_array_equal(k_rot, K.rope(k, pos, theta=1e6, device=device))
+
+
+def test_fused_argument_errors():
+    w, _ = random_weight("Q8_0", 4, 64)
+    w2, _ = random_weight("Q8_0", 4, 96)
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="residual"):
+        K.matmul_add(w, x, np.zeros((2, 5), np.float32))
+    with pytest.raises(ValueError, match="columns"):
+        K.matmul_add(w, np.zeros((2, 63), np.float32), np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="columns differ"):
+        K.matmul_multi([w, w2], x)
+    with pytest.raises(ValueError, match="1 to 3"):
+        K.matmul_multi([w] * 4, x)
+    with pytest.raises(ValueError, match="biases"):
+        K.matmul_multi([w, w], x, [None])
+    with pytest.raises(ValueError, match="bias 1"):
+        K.matmul_multi([w, w], x, [None, np.zeros(3, np.float32)])
+    with pytest.raises(ValueError, match="differ in shape"):
+        K.matmul_swiglu(w, w2, x)
+    q, kv = np.zeros((1, 4, 8), np.float32), np.zeros((1, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="positions"):
+        K.rope_kv_store(q, kv, kv, [3], np.zeros((3, 16), np.float32), np.zeros((3, 16), np.float32))
+    with pytest.raises(ValueError, match="caches"):
+        K.rope_kv_store(q, kv, kv, [0], np.zeros((3, 8), np.float32), np.zeros((3, 8), np.float32))
+    with pytest.raises(ValueError, match="even"):
+        K.rope_kv_store(np.zeros((1, 4, 5), np.float32), np.zeros((1, 2, 5), np.float32),
+                        np.zeros((1, 2, 5), np.float32), [0], np.zeros((3, 10), np.float32),
+                        np.zeros((3, 10), np.float32))
+
+
+# --------------------------------------------------------------------------------------------
 # CUDA against the CPU engine, directly
 
 

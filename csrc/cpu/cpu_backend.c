@@ -94,6 +94,10 @@ static const qc_backend_ops cpu_ops = {
     .add = qc_cpu_add,
     .argmax = qc_cpu_argmax,
     .sample = qc_cpu_sample,
+    .matmul_add = qc_cpu_matmul_add,
+    .matmul_multi = qc_cpu_matmul_multi,
+    .matmul_swiglu = qc_cpu_matmul_swiglu,
+    .rope_kv_store = qc_cpu_rope_kv_store,
 };
 
 int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err) {

@@ -16,6 +16,10 @@
  *  - add        out = a + b, float32.
  *  - argmax     first index of the maximum; NaN never wins (a row of NaN gives 0).
  *  - sample     qc_sample_row (sampler.c), the host sampler's own code.
+ * The fused ops compute these very expressions, so they equal their unfused sequences bit for
+ * bit: matmul_add = matmul then add, matmul_multi = one matmul per weight, matmul_swiglu =
+ * matmul, matmul, swiglu, rope_kv_store = rope of q, rope of k, kv_store. They save passes over
+ * memory and wake-ups of the thread pool (one for q, k and v instead of three).
  * Parallel loops (matmul rows, attention heads x queries, large elementwise ops) run on the
  * backend's thread pool with a fixed split, so results do not depend on the thread count.
  */
@@ -95,32 +99,52 @@ int qc_cpu_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int di
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* matmul: out[n][rows] = x[n][cols] @ W^T (+ bias)                                            */
+/* matmul, matmul_add, matmul_multi: out[n][rows] = (residual +) x[n][cols] @ W^T (+ bias)     */
 
 /* Rows dequantized together for a prefill: each token vector is then read once per tile
  * instead of once per row (a 64-token x of 896 floats is 229 KB, an L2 read per row). */
 #define QC_MATMUL_TILE 8
 
+/* One weight of a matmul job and what its rows produce. */
+typedef struct {
+    const qc_weight *w;
+    int64_t row_bytes;
+    const float *bias;        /* (rows) or NULL */
+    const float *residual;    /* (n, rows) added last, or NULL; may alias out */
+    float *out;               /* (n, rows) */
+} matmul_part;
+
+/* A matmul of one x by up to QC_MATMUL_MULTI_MAX weights, in n_slices slices: slice s is the
+ * s-th of n_slices equal shares of every part's rows. The pool runs one slice per thread, so q,
+ * k and v wake the threads once and each thread gets a share of each weight: balanced even
+ * when the types cost differently per row (a Q5_0 row takes longer than a Q8_0 one here). */
 typedef struct {
     qc_backend *be;
-    const qc_weight *w;
-    const float *bias, *x;
+    const float *x;           /* (n, cols), cols the same for every part */
     int n;
-    float *out;
-    int64_t row_bytes;
+    int n_parts;
+    matmul_part part[QC_MATMUL_MULTI_MAX];
+    int64_t n_slices;
 } matmul_job;
 
-static void matmul_rows(void *ctx, int64_t begin, int64_t end, int worker) {
-    matmul_job *j = ctx;
-    const qc_weight *w = j->w;
+/* The value of out[t][r] from the dot product of row r with x[t]: the products, then the bias,
+ * then the residual, the order of matmul followed by add (the fused ops give the same bits). */
+static inline float matmul_value(const matmul_part *p, int t, int64_t r, float dot) {
+    const float v = dot + (p->bias ? p->bias[r] : 0.0f);
+    return p->residual ? p->residual[(size_t)t * (size_t)p->w->rows + (size_t)r] + v : v;
+}
+
+/* Rows [begin, end) of one part. */
+static void matmul_part_rows(const matmul_job *j, const matmul_part *p, int64_t begin, int64_t end,
+                             int worker) {
+    const qc_weight *w = p->w;
     const uint8_t *base = w->data;
     const int64_t cols = w->cols, rows = w->rows;
     if (j->n == 1) {
         /* Decode: each stored row is read once, 256 elements at a time (qc_dot_row). */
-        for (int64_t r = begin; r < end; r++) {
-            const float b = j->bias ? j->bias[r] : 0.0f;
-            j->out[r] = qc_dot_row(w->type, base + (size_t)r * (size_t)j->row_bytes, j->x, cols) + b;
-        }
+        for (int64_t r = begin; r < end; r++)
+            p->out[r] = matmul_value(p, 0, r, qc_dot_row(w->type, base + (size_t)r * (size_t)p->row_bytes,
+                                                         j->x, cols));
         return;
     }
     /* Prefill: dequantize a tile of rows once into this thread's scratch, then one float dot
@@ -129,63 +153,228 @@ static void matmul_rows(void *ctx, int64_t begin, int64_t end, int worker) {
     float *tile = state(j->be)->scratch[worker];
     for (int64_t r0 = begin; r0 < end; r0 += QC_MATMUL_TILE) {
         const int nr = end - r0 < QC_MATMUL_TILE ? (int)(end - r0) : QC_MATMUL_TILE;
-        const float *wr = (const float *)(base + (size_t)r0 * (size_t)j->row_bytes);
+        const float *wr = (const float *)(base + (size_t)r0 * (size_t)p->row_bytes);
         if (w->type != QC_TYPE_F32) {
-            /* type and width were checked by qc_cpu_matmul: this cannot fail */
-            qc_dequantize(w->type, base + (size_t)r0 * (size_t)j->row_bytes, tile, nr, cols, NULL);
+            /* type and width were checked by check_weight: this cannot fail */
+            qc_dequantize(w->type, base + (size_t)r0 * (size_t)p->row_bytes, tile, nr, cols, NULL);
             wr = tile;
         }
         for (int t = 0; t < j->n; t++) {
             const float *xt = j->x + (size_t)t * (size_t)cols;
-            float *ot = j->out + (size_t)t * (size_t)rows;
+            float *ot = p->out + (size_t)t * (size_t)rows;
+            for (int k = 0; k < nr; k++)
+                ot[r0 + k] = matmul_value(p, t, r0 + k, dot_f32(wr + (size_t)k * (size_t)cols, xt, cols));
+        }
+    }
+}
+
+/* Slices [begin, end): their rows of every part. */
+static void matmul_slices(void *ctx, int64_t begin, int64_t end, int worker) {
+    const matmul_job *j = ctx;
+    for (int64_t sl = begin; sl < end; sl++) {
+        for (int i = 0; i < j->n_parts; i++) {
+            const int64_t rows = j->part[i].w->rows;
+            const int64_t lo = rows * sl / j->n_slices, hi = rows * (sl + 1) / j->n_slices;
+            if (lo < hi) matmul_part_rows(j, &j->part[i], lo, hi, worker);
+        }
+    }
+}
+
+/* A weight the CPU can multiply, with cols columns (cols < 0: any); its row bytes, or -1. */
+static int64_t check_weight(qc_backend *be, const qc_weight *w, int64_t cols, int n, const char *op) {
+    const qc_type_traits *tr = qc_type_get(w->type);
+    const int64_t row_bytes = qc_row_bytes(w->type, w->cols);
+    if (tr == NULL || tr->dequantize == NULL || row_bytes < 0 || w->rows < 0 || n < 0 ||
+        (cols >= 0 && w->cols != cols))
+        return qc_fail(&be->err, QC_ERR_VALUE, "%s: unsupported weight (type %s, %lld x %lld) or n = %d",
+                       op, tr ? tr->name : "?", (long long)w->rows, (long long)w->cols, n);
+    return row_bytes;
+}
+
+/* Run a job whose parts are filled in: per-thread tiles for a prefill, then the rows. */
+static int matmul_run(qc_backend *be, matmul_job *job) {
+    const int64_t cols = job->part[0].w->cols;
+    int64_t rows = 0;
+    int need_tile = 0;
+    for (int i = 0; i < job->n_parts; i++) {
+        rows += job->part[i].w->rows;
+        need_tile |= job->part[i].w->type != QC_TYPE_F32;
+    }
+    if (job->n == 0 || rows == 0) return 0;
+    if (job->n > 1 && need_tile && qc_cpu_scratch(be, (size_t)QC_MATMUL_TILE * (size_t)cols) < 0)
+        return -1;
+    if (rows * cols * job->n < QC_PARALLEL_MIN) {
+        job->n_slices = 1;
+        matmul_slices(job, 0, 1, 0);
+    } else {
+        job->n_slices = qc_pool_threads(state(be)->pool);
+        qc_pool_run(state(be)->pool, job->n_slices, matmul_slices, job);
+    }
+    return 0;
+}
+
+int qc_cpu_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
+                  float *out) {
+    const int64_t row_bytes = check_weight(be, w, -1, n, "matmul");
+    if (row_bytes < 0) return -1;
+    matmul_job job = {.be = be, .x = x, .n = n, .n_parts = 1};
+    job.part[0] = (matmul_part){w, row_bytes, bias, NULL, out};
+    return matmul_run(be, &job);
+}
+
+int qc_cpu_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
+                      const float *residual, float *out) {
+    const int64_t row_bytes = check_weight(be, w, -1, n, "matmul_add");
+    if (row_bytes < 0) return -1;
+    matmul_job job = {.be = be, .x = x, .n = n, .n_parts = 1};
+    job.part[0] = (matmul_part){w, row_bytes, NULL, residual, out};
+    return matmul_run(be, &job);
+}
+
+int qc_cpu_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
+                        int n) {
+    if (n_parts < 1 || n_parts > QC_MATMUL_MULTI_MAX)
+        return qc_fail(&be->err, QC_ERR_VALUE, "matmul_multi: %d weights (1..%d)", n_parts,
+                       QC_MATMUL_MULTI_MAX);
+    matmul_job job = {.be = be, .x = x, .n = n, .n_parts = n_parts};
+    for (int i = 0; i < n_parts; i++) {
+        const int64_t row_bytes = check_weight(be, parts[i].w, parts[0].w->cols, n, "matmul_multi");
+        if (row_bytes < 0) return -1;
+        job.part[i] = (matmul_part){parts[i].w, row_bytes, parts[i].bias, NULL, parts[i].out};
+    }
+    return matmul_run(be, &job);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* matmul_swiglu: act[n][rows] = silu(x @ Wg^T) * (x @ Wu^T)                                   */
+
+/* silu(g) * u, the one expression of swiglu and matmul_swiglu (so they agree bit for bit). */
+static inline float silu_mul(float g, float u) { return (g / (1.0f + expf(-g))) * u; }
+
+/* Rows of gate and of up dequantized together for a prefill: half of matmul's tile each, so the
+ * two tiles together take the scratch (and the L1 share) of one matmul tile. */
+#define QC_SWIGLU_TILE (QC_MATMUL_TILE / 2)
+
+typedef struct {
+    qc_backend *be;
+    const qc_weight *gate, *up;
+    int64_t gate_row_bytes, up_row_bytes;
+    const float *x;           /* (n, cols) */
+    int n;
+    float *act;               /* (n, rows) */
+} swiglu_mm_job;
+
+/* Rows [begin, end) of gate and up together: act never needs the gate and up matrices. The
+ * products are matmul's (qc_dot_row, or the F32 dot of a dequantized tile) + 0.0f for the
+ * missing bias, so act equals matmul, matmul, swiglu bit for bit. */
+static void matmul_swiglu_rows(void *ctx, int64_t begin, int64_t end, int worker) {
+    const swiglu_mm_job *j = ctx;
+    const uint8_t *gbase = j->gate->data, *ubase = j->up->data;
+    const int64_t cols = j->gate->cols, rows = j->gate->rows;
+    if (j->n == 1) {
+        for (int64_t r = begin; r < end; r++) {
+            const float g = qc_dot_row(j->gate->type, gbase + (size_t)r * (size_t)j->gate_row_bytes, j->x, cols) + 0.0f;
+            const float u = qc_dot_row(j->up->type, ubase + (size_t)r * (size_t)j->up_row_bytes, j->x, cols) + 0.0f;
+            j->act[r] = silu_mul(g, u);
+        }
+        return;
+    }
+    /* prefill: a tile of gate rows and the same tile of up rows, dequantized once per tile */
+    float *gtile = state(j->be)->scratch[worker];
+    float *utile = gtile + (size_t)QC_SWIGLU_TILE * (size_t)cols;
+    for (int64_t r0 = begin; r0 < end; r0 += QC_SWIGLU_TILE) {
+        const int nr = end - r0 < QC_SWIGLU_TILE ? (int)(end - r0) : QC_SWIGLU_TILE;
+        const float *gr = (const float *)(gbase + (size_t)r0 * (size_t)j->gate_row_bytes);
+        const float *ur = (const float *)(ubase + (size_t)r0 * (size_t)j->up_row_bytes);
+        if (j->gate->type != QC_TYPE_F32) {
+            qc_dequantize(j->gate->type, gbase + (size_t)r0 * (size_t)j->gate_row_bytes, gtile, nr, cols, NULL);
+            gr = gtile;
+        }
+        if (j->up->type != QC_TYPE_F32) {
+            qc_dequantize(j->up->type, ubase + (size_t)r0 * (size_t)j->up_row_bytes, utile, nr, cols, NULL);
+            ur = utile;
+        }
+        for (int t = 0; t < j->n; t++) {
+            const float *xt = j->x + (size_t)t * (size_t)cols;
+            float *at = j->act + (size_t)t * (size_t)rows;
             for (int k = 0; k < nr; k++) {
-                const float b = j->bias ? j->bias[r0 + k] : 0.0f;
-                ot[r0 + k] = dot_f32(wr + (size_t)k * (size_t)cols, xt, cols) + b;
+                const float g = dot_f32(gr + (size_t)k * (size_t)cols, xt, cols) + 0.0f;
+                const float u = dot_f32(ur + (size_t)k * (size_t)cols, xt, cols) + 0.0f;
+                at[r0 + k] = silu_mul(g, u);
             }
         }
     }
 }
 
-int qc_cpu_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
-                  float *out) {
-    const qc_type_traits *tr = qc_type_get(w->type);
-    int64_t row_bytes = qc_row_bytes(w->type, w->cols);
-    if (tr == NULL || tr->dequantize == NULL || row_bytes < 0 || w->rows < 0 || n < 0)
-        return qc_fail(&be->err, QC_ERR_VALUE, "matmul: unsupported weight (type %s, %lld x %lld) "
-                       "or n = %d", tr ? tr->name : "?", (long long)w->rows, (long long)w->cols, n);
-    if (n == 0 || w->rows == 0) return 0;
-    if (n > 1 && w->type != QC_TYPE_F32 &&
-        qc_cpu_scratch(be, (size_t)QC_MATMUL_TILE * (size_t)w->cols) < 0)
-        return -1;
-    matmul_job job = {be, w, bias, x, n, out, row_bytes};
-    if (w->rows * w->cols * n < QC_PARALLEL_MIN) matmul_rows(&job, 0, w->rows, 0);
-    else qc_pool_run(state(be)->pool, w->rows, matmul_rows, &job);
+int qc_cpu_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
+                         const float *x, int n, float *act) {
+    const int64_t gate_row_bytes = check_weight(be, w_gate, -1, n, "matmul_swiglu");
+    if (gate_row_bytes < 0) return -1;
+    const int64_t up_row_bytes = check_weight(be, w_up, w_gate->cols, n, "matmul_swiglu");
+    if (up_row_bytes < 0) return -1;
+    if (w_up->rows != w_gate->rows)
+        return qc_fail(&be->err, QC_ERR_VALUE, "matmul_swiglu: gate has %lld rows, up %lld",
+                       (long long)w_gate->rows, (long long)w_up->rows);
+    const int64_t rows = w_gate->rows, cols = w_gate->cols;
+    if (n == 0 || rows == 0) return 0;
+    if (n > 1 && qc_cpu_scratch(be, 2 * (size_t)QC_SWIGLU_TILE * (size_t)cols) < 0) return -1;
+    swiglu_mm_job job = {be, w_gate, w_up, gate_row_bytes, up_row_bytes, x, n, act};
+    if (2 * rows * cols * n < QC_PARALLEL_MIN) matmul_swiglu_rows(&job, 0, rows, 0);
+    else qc_pool_run(state(be)->pool, rows, matmul_swiglu_rows, &job);
     return 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* rope: NEOX pairs (i, i + head_dim/2), in place                                              */
 
+/* head_dim / 2 frequencies of the inv_freq buffers below */
+#define QC_ROPE_MAX_HEAD_DIM 4096
+
+static int rope_check(qc_backend *be, int n, int n_heads, int head_dim, float theta, const char *op) {
+    if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2 != 0 || head_dim > QC_ROPE_MAX_HEAD_DIM ||
+        !(theta > 0.0f))
+        return qc_fail(&be->err, QC_ERR_VALUE, "%s: bad shape n=%d heads=%d head_dim=%d or "
+                       "theta=%g", op, n, n_heads, head_dim, (double)theta);
+    return 0;
+}
+
+/* Rotate heads [0, n_heads) of one token's x[n_heads][head_dim] by the angles of one position:
+ * c[i], s[i] for the pair (i, i + half). */
+static void rope_token(float *x, int n_heads, int head_dim, const float *c, const float *s) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *v = x + (size_t)h * (size_t)head_dim;
+        for (int i = 0; i < half; i++) {
+            const float x0 = v[i], x1 = v[i + half];
+            v[i] = x0 * c[i] - x1 * s[i];
+            v[i + half] = x0 * s[i] + x1 * c[i];
+        }
+    }
+}
+
+/* cos and sin of pos * theta^(-2i/head_dim), computed in float64 and rounded to float32 */
+static void rope_angles(int32_t pos, const double *inv_freq, int half, float *c, float *s) {
+    for (int i = 0; i < half; i++) {
+        const double angle = (double)pos * inv_freq[i];
+        c[i] = (float)cos(angle);
+        s[i] = (float)sin(angle);
+    }
+}
+
+static void rope_inv_freq(float theta, int head_dim, double *inv_freq) {
+    for (int i = 0; i < head_dim / 2; i++) inv_freq[i] = pow((double)theta, -2.0 * i / head_dim);
+}
+
 int qc_cpu_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
                 float theta) {
-    if (n < 0 || n_heads <= 0 || head_dim <= 0 || head_dim % 2 != 0 || head_dim > 4096 ||
-        !(theta > 0.0f))
-        return qc_fail(&be->err, QC_ERR_VALUE, "rope: bad shape n=%d heads=%d head_dim=%d or "
-                       "theta=%g", n, n_heads, head_dim, (double)theta);
+    if (rope_check(be, n, n_heads, head_dim, theta, "rope") < 0) return -1;
     const int half = head_dim / 2;
-    double inv_freq[2048];
-    for (int i = 0; i < half; i++) inv_freq[i] = pow((double)theta, -2.0 * i / head_dim);
+    double inv_freq[QC_ROPE_MAX_HEAD_DIM / 2];
+    float c[QC_ROPE_MAX_HEAD_DIM / 2], s[QC_ROPE_MAX_HEAD_DIM / 2];
+    rope_inv_freq(theta, head_dim, inv_freq);
     for (int t = 0; t < n; t++) {
-        for (int i = 0; i < half; i++) {
-            const double angle = (double)pos[t] * inv_freq[i];
-            const float c = (float)cos(angle), s = (float)sin(angle);
-            for (int h = 0; h < n_heads; h++) {
-                float *v = x + ((size_t)t * n_heads + h) * (size_t)head_dim;
-                const float x0 = v[i], x1 = v[i + half];
-                v[i] = x0 * c - x1 * s;
-                v[i + half] = x0 * s + x1 * c;
-            }
-        }
+        rope_angles(pos[t], inv_freq, half, c, s);
+        rope_token(x + (size_t)t * (size_t)n_heads * (size_t)head_dim, n_heads, head_dim, c, s);
     }
     return 0;
 }
@@ -193,18 +382,48 @@ int qc_cpu_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads
 /* ---------------------------------------------------------------------------------------- */
 /* kv_store: cache[pos[t]] = k[t], v[t]                                                         */
 
+static int positions_check(qc_backend *be, const int32_t *pos, int n, const char *op) {
+    for (int t = 0; t < n; t++)
+        if (pos[t] < 0)
+            return qc_fail(&be->err, QC_ERR_RANGE, "%s: negative position %d at %d", op, pos[t], t);
+    return 0;
+}
+
 int qc_cpu_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
                     int kv_dim, float *k_cache, float *v_cache) {
     if (n < 0 || kv_dim <= 0)
         return qc_fail(&be->err, QC_ERR_VALUE, "kv_store: bad shape n=%d kv_dim=%d", n, kv_dim);
-    for (int t = 0; t < n; t++)
-        if (pos[t] < 0)
-            return qc_fail(&be->err, QC_ERR_RANGE, "kv_store: negative position %d at %d", pos[t], t);
+    if (positions_check(be, pos, n, "kv_store") < 0) return -1;
     /* The caller (session.c) keeps positions below the cache's max_ctx, which we cannot see. */
     const size_t row = sizeof(float) * (size_t)kv_dim;
     for (int t = 0; t < n; t++) {
         memcpy(k_cache + (size_t)pos[t] * (size_t)kv_dim, k + (size_t)t * (size_t)kv_dim, row);
         memcpy(v_cache + (size_t)pos[t] * (size_t)kv_dim, v + (size_t)t * (size_t)kv_dim, row);
+    }
+    return 0;
+}
+
+/* rope of q and k, then kv_store, token by token: q and k share each token's angles, so the
+ * sines and cosines are computed once for both (the same float32 values rope uses). */
+int qc_cpu_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
+                         int n, int n_head, int n_head_kv, int head_dim, float theta,
+                         float *k_cache, float *v_cache) {
+    if (rope_check(be, n, n_head, head_dim, theta, "rope_kv_store") < 0 ||
+        rope_check(be, n, n_head_kv, head_dim, theta, "rope_kv_store") < 0 ||
+        positions_check(be, pos, n, "rope_kv_store") < 0)
+        return -1;
+    const int half = head_dim / 2;
+    const size_t q_dim = (size_t)n_head * (size_t)head_dim, kv_dim = (size_t)n_head_kv * (size_t)head_dim;
+    double inv_freq[QC_ROPE_MAX_HEAD_DIM / 2];
+    float c[QC_ROPE_MAX_HEAD_DIM / 2], s[QC_ROPE_MAX_HEAD_DIM / 2];
+    rope_inv_freq(theta, head_dim, inv_freq);
+    for (int t = 0; t < n; t++) {
+        float *kt = k + (size_t)t * kv_dim;
+        rope_angles(pos[t], inv_freq, half, c, s);
+        rope_token(q + (size_t)t * q_dim, n_head, head_dim, c, s);
+        rope_token(kt, n_head_kv, head_dim, c, s);
+        memcpy(k_cache + (size_t)pos[t] * kv_dim, kt, kv_dim * sizeof(float));
+        memcpy(v_cache + (size_t)pos[t] * kv_dim, v + (size_t)t * kv_dim, kv_dim * sizeof(float));
     }
     return 0;
 }
@@ -299,8 +518,7 @@ static void swiglu_range(void *ctx, int64_t begin, int64_t end, int worker) {
     ew_job *j = ctx;
     (void)worker;
     for (int64_t i = begin; i < end; i++) {
-        const float g = j->a[i];
-        j->out[i] = (g / (1.0f + expf(-g))) * j->b[i];
+        j->out[i] = silu_mul(j->a[i], j->b[i]);
     }
 }
 

@@ -1,0 +1,96 @@
+/* matmul_multi.cu: out_i[n][rows_i] = x[n][cols] @ W_i^T (+ bias_i) for up to
+ * QC_MATMUL_MULTI_MAX weights of one x (q, k and v), each with its own block format.
+ *
+ * Decode and short batches (n <= QC_GEMV_MAX_TOKENS): one launch whose blocks cover the
+ * weights' rows one after the other: part i owns blocks [first_block_i, first_block_i+1), each
+ * part's rows rounded up to whole blocks, so every block (and every warp) works on one weight
+ * and the switch on its type (qc_gemv_row_any) never diverges. A Q4_K_M file mixes types here
+ * (q and k Q5_0, v Q8_0 or Q6_K). The dot products are qc_gemv_row's, the plain matmul's.
+ *
+ * Prefill (n > QC_GEMV_MAX_TOKENS): the matmul op, once per weight (cuBLAS).
+ */
+#include "qc_gemv.cuh"
+
+/* One weight of a launch, by value in the kernel's parameters. */
+struct qc_gemv_part {
+    const uint8_t *W;         /* stored rows */
+    const float *bias;        /* (rows) or NULL */
+    float *out;               /* (n, rows) */
+    int64_t row_bytes, rows;
+    uint32_t type;
+    unsigned first_block;     /* blocks before this part's */
+};
+
+struct qc_gemv_parts {
+    qc_gemv_part part[QC_MATMUL_MULTI_MAX];
+    int n_parts;
+};
+
+template <int NT>
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
+qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__restrict__ x, int n) {
+    /* the part of this block: the last whose first block is <= blockIdx.x (an unrolled loop:
+     * constant indices, so the parameter array is not copied to local memory) */
+    qc_gemv_part p = parts.part[0];
+#pragma unroll
+    for (int i = 1; i < QC_MATMUL_MULTI_MAX; i++)
+        if (i < parts.n_parts && blockIdx.x >= parts.part[i].first_block) p = parts.part[i];
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)(blockIdx.x - p.first_block) * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * NT;
+    if (r >= p.rows) return;   /* whole warps leave together: the shuffles stay full */
+    float acc[NT];
+    qc_gemv_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, x, n, t0, lane, acc);
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        if (t0 + j < n) p.out[(int64_t)(t0 + j) * p.rows + r] = p.bias ? acc[j] + p.bias[r] : acc[j];
+}
+
+int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
+                         int n) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (n_parts < 1 || n_parts > QC_MATMUL_MULTI_MAX)
+        return qc_cuda_value_error(be, "matmul_multi: %d weights (1..%d)", n_parts, QC_MATMUL_MULTI_MAX);
+    const int64_t cols = parts[0].w->cols;
+    for (int i = 0; i < n_parts; i++) {
+        const qc_weight *w = parts[i].w;
+        if (!qc_cuda_type_supported(w->type) || w->cols != cols || w->rows < 0)
+            return qc_cuda_value_error(be, "matmul_multi: weight %d (type %u, %lld x %lld) is not supported "
+                                       "or its columns differ from weight 0's %lld", i, w->type,
+                                       (long long)w->rows, (long long)w->cols, (long long)cols);
+    }
+    if (n <= 0) return 0;
+    if (n > QC_GEMV_MAX_TOKENS) {
+        for (int i = 0; i < n_parts; i++)
+            if (qc_cuda_matmul(be, parts[i].w, parts[i].bias, x, n, parts[i].out) < 0) return -1;
+        return 0;
+    }
+
+    qc_gemv_parts launch = {};
+    int64_t blocks = 0;
+    for (int i = 0; i < n_parts; i++) {
+        const qc_weight *w = parts[i].w;
+        qc_gemv_part *p = &launch.part[i];
+        p->W = (const uint8_t *)w->data;
+        p->bias = parts[i].bias;
+        p->out = parts[i].out;
+        p->row_bytes = qc_row_bytes(w->type, w->cols);
+        p->rows = w->rows;
+        p->type = w->type;
+        p->first_block = (unsigned)blocks;
+        blocks += (w->rows + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS;
+        if (blocks > INT32_MAX)
+            return qc_cuda_value_error(be, "matmul_multi: %lld rows is too many", (long long)w->rows);
+    }
+    launch.n_parts = n_parts;
+    if (blocks == 0) return 0;
+    const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n)), block(32 * QC_GEMV_WARPS);
+    switch (qc_gemv_tokens_per_block(n)) {
+    case 1: qc_gemv_multi_kernel<1><<<grid, block, 0, cu->stream>>>(launch, cols, x, n); break;
+    case 2: qc_gemv_multi_kernel<2><<<grid, block, 0, cu->stream>>>(launch, cols, x, n); break;
+    case 4: qc_gemv_multi_kernel<4><<<grid, block, 0, cu->stream>>>(launch, cols, x, n); break;
+    default: qc_gemv_multi_kernel<8><<<grid, block, 0, cu->stream>>>(launch, cols, x, n); break;
+    }
+    return QC_LAUNCHED(be, "qc_gemv_multi_kernel");
+}

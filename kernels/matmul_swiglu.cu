@@ -1,0 +1,117 @@
+/* matmul_swiglu.cu: act[n][rows] = silu(x @ Wg^T) * (x @ Wu^T), the feed-forward's gate and up
+ * projections and their SwiGLU, without the gate and up matrices.
+ *
+ * Decode and short batches (n <= QC_GEMV_MAX_TOKENS): one GEMV launch in which the warp of row
+ * r computes row r of w_gate and row r of w_up, and lane 0 writes only act. When the two
+ * weights have one type (the usual case) both rows are read in one loop (qc_gemv_row2: twice
+ * the loads in flight); when they differ, one after the other, each through a switch on its
+ * type that is the same for the whole grid. The dot products are qc_gemv_row's and the SwiGLU is
+ * qc_silu_mul, so act equals matmul, matmul, swiglu bit for bit.
+ *
+ * Prefill (n > QC_GEMV_MAX_TOKENS): those three ops, with gate in act and up in a backend
+ * scratch buffer (grown outside the decode path, like matmul's).
+ */
+#include "qc_gemv.cuh"
+
+/* Tokens t0 .. t0 + NT - 1 (those < n) against row blockIdx.x * WARPS + warp of both weights,
+ * of one type T. */
+template <int T, int NT>
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
+qc_gemv_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu,
+                      int64_t row_bytes, int64_t rows, int64_t cols, const float *__restrict__ x,
+                      int n, float *__restrict__ act) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * NT;
+    if (r >= rows) return;   /* whole warps leave together: the shuffles stay full */
+    float g[NT], u[NT];
+    qc_gemv_row2<T, NT>(Wg + r * row_bytes, Wu + r * row_bytes, cols, x, n, t0, lane, g, u);
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+}
+
+/* The same for a gate and an up weight of different types. */
+template <int NT>
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
+qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_bytes,
+                            uint32_t gate_type, const uint8_t *__restrict__ Wu,
+                            int64_t up_row_bytes, uint32_t up_type, int64_t rows, int64_t cols,
+                            const float *__restrict__ x, int n, float *__restrict__ act) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * NT;
+    if (r >= rows) return;
+    float g[NT], u[NT];
+    qc_gemv_row_any<NT>(gate_type, Wg + r * gate_row_bytes, cols, x, n, t0, lane, g);
+    qc_gemv_row_any<NT>(up_type, Wu + r * up_row_bytes, cols, x, n, t0, lane, u);
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+}
+
+template <int T>
+static void launch_swiglu(const qc_weight *w_gate, const qc_weight *w_up, const float *x, int n,
+                          float *act, dim3 grid, cudaStream_t st) {
+    const int64_t rb = qc_row_bytes_t<T>(w_gate->cols);
+    const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
+    const dim3 block(32 * QC_GEMV_WARPS);
+    const int64_t rows = w_gate->rows, cols = w_gate->cols;
+    switch (qc_gemv_tokens_per_block(n)) {
+    case 1: qc_gemv_swiglu_kernel<T, 1><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, act); break;
+    case 2: qc_gemv_swiglu_kernel<T, 2><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, act); break;
+    case 4: qc_gemv_swiglu_kernel<T, 4><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, act); break;
+    default: qc_gemv_swiglu_kernel<T, 8><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, act); break;
+    }
+}
+
+static void launch_swiglu_mixed(const qc_weight *w_gate, const qc_weight *w_up, const float *x,
+                                int n, float *act, dim3 grid, cudaStream_t st) {
+    const int64_t cols = w_gate->cols, rows = w_gate->rows;
+    const int64_t grb = qc_row_bytes(w_gate->type, cols), urb = qc_row_bytes(w_up->type, cols);
+    const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
+    const uint32_t gt = w_gate->type, ut = w_up->type;
+    const dim3 block(32 * QC_GEMV_WARPS);
+    switch (qc_gemv_tokens_per_block(n)) {
+    case 1: qc_gemv_swiglu_mixed_kernel<1><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, act); break;
+    case 2: qc_gemv_swiglu_mixed_kernel<2><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, act); break;
+    case 4: qc_gemv_swiglu_mixed_kernel<4><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, act); break;
+    default: qc_gemv_swiglu_mixed_kernel<8><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, act); break;
+    }
+}
+
+int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
+                          const float *x, int n, float *act) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (!qc_cuda_type_supported(w_gate->type) || !qc_cuda_type_supported(w_up->type) ||
+        w_gate->rows != w_up->rows || w_gate->cols != w_up->cols)
+        return qc_cuda_value_error(be, "matmul_swiglu: gate (type %u, %lld x %lld) and up (type %u, %lld x %lld) "
+                                   "must be supported types of one shape", w_gate->type, (long long)w_gate->rows,
+                                   (long long)w_gate->cols, w_up->type, (long long)w_up->rows, (long long)w_up->cols);
+    const int64_t rows = w_gate->rows;
+    if (n <= 0 || rows <= 0) return 0;
+    if (n > QC_GEMV_MAX_TOKENS) {
+        const size_t bytes = (size_t)n * (size_t)rows * sizeof(float);
+        if (qc_cuda_scratch(be, &cu->scratch_up, &cu->scratch_up_bytes, bytes) < 0 ||
+            qc_cuda_matmul(be, w_gate, NULL, x, n, act) < 0 ||
+            qc_cuda_matmul(be, w_up, NULL, x, n, (float *)cu->scratch_up) < 0)
+            return -1;
+        return qc_cuda_swiglu(be, act, (const float *)cu->scratch_up, (int64_t)n * rows, act);
+    }
+    const int64_t blocks = (rows + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS;
+    if (blocks > INT32_MAX)
+        return qc_cuda_value_error(be, "matmul_swiglu: %lld rows is too many", (long long)rows);
+    const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n));
+    if (w_gate->type != w_up->type) {
+        launch_swiglu_mixed(w_gate, w_up, x, n, act, grid, cu->stream);
+        return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");
+    }
+    switch (w_gate->type) {
+#define QC_CASE_(T) case T: launch_swiglu<T>(w_gate, w_up, x, n, act, grid, cu->stream); break;
+        QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+    }
+    return QC_LAUNCHED(be, "qc_gemv_swiglu_kernel");
+}

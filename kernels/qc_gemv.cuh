@@ -1,0 +1,123 @@
+/* qc_gemv.cuh: the warp-per-row GEMV that every matmul kernel of decode and short batches
+ * (n <= QC_GEMV_MAX_TOKENS) is built from: matmul and matmul_add (matmul.cu), matmul_multi
+ * (matmul_multi.cu), matmul_swiglu (matmul_swiglu.cu). One function computes the dot products
+ * of one stored row with up to NT tokens, so the fused kernels produce exactly the numbers of
+ * the plain matmul kernel: the same loads, the same fmaf chain, the same shuffle reduction.
+ *
+ * Lane l takes parts l, l + 32, ... of the row (8 elements each, qc_dequant.cuh), so a warp
+ * sweeps the row's bytes contiguously; up to NT tokens share each decoded part. Accumulation is
+ * fp32.
+ */
+#ifndef QC_GEMV_CUH
+#define QC_GEMV_CUH
+
+#include "qc_cuda.cuh"
+#include "qc_dequant.cuh"
+
+#define QC_GEMV_WARPS 4                 /* rows per block of the GEMV kernels */
+
+/* x[8p .. 8p+8) of one activation row, zero past cols. */
+__device__ __forceinline__ void qc_load_x8(const float *__restrict__ xr, int64_t p, int64_t cols,
+                                           float v[8]) {
+    const float *r = xr + 8 * p;
+    if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
+        const float4 a = __ldg((const float4 *)r), b = __ldg((const float4 *)(r + 4));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = 8 * p + k < cols ? __ldg(r + k) : 0.0f;
+    }
+}
+
+/* acc[j] = dot(stored row of type T, x[t0 + j]) for the tokens t0 + j < n (0 for the others),
+ * the same value in every lane. All 32 lanes of the warp must call it (full-warp shuffles). */
+template <int T, int NT>
+__device__ __forceinline__ void qc_gemv_row(const uint8_t *__restrict__ row, int64_t cols,
+                                            const float *__restrict__ x, int n, int t0, int lane,
+                                            float (&acc)[NT]) {
+    const int64_t parts = (cols + 7) / 8;
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j] = 0.0f;
+    for (int64_t p = lane; p < parts; p += 32) {
+        float w[8];
+        qc_deq8<T>(row, p, cols, w);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (t0 + j < n) {
+                float xv[8];
+                qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[j] = fmaf(w[k], xv[k], acc[j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+    }
+}
+
+/* qc_gemv_row of two rows of one type (matmul_swiglu's gate and up rows) against the same x, in
+ * one loop: twice the loads in flight per warp, and each x part loaded once for both. Each
+ * accumulator goes through exactly the operations qc_gemv_row gives it. */
+template <int T, int NT>
+__device__ __forceinline__ void qc_gemv_row2(const uint8_t *__restrict__ row_a,
+                                             const uint8_t *__restrict__ row_b, int64_t cols,
+                                             const float *__restrict__ x, int n, int t0, int lane,
+                                             float (&acc_a)[NT], float (&acc_b)[NT]) {
+    const int64_t parts = (cols + 7) / 8;
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc_a[j] = acc_b[j] = 0.0f;
+    for (int64_t p = lane; p < parts; p += 32) {
+        float wa[8], wb[8];
+        qc_deq8<T>(row_a, p, cols, wa);
+        qc_deq8<T>(row_b, p, cols, wb);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (t0 + j < n) {
+                float xv[8];
+                qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    acc_a[j] = fmaf(wa[k], xv[k], acc_a[j]);
+                    acc_b[j] = fmaf(wb[k], xv[k], acc_b[j]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            acc_a[j] += __shfl_xor_sync(0xffffffffu, acc_a[j], off);
+            acc_b[j] += __shfl_xor_sync(0xffffffffu, acc_b[j], off);
+        }
+    }
+}
+
+/* qc_gemv_row for a type known only at run time. The fused kernels call it where the type is
+ * the same for a whole block (one weight per block), so the switch never splits a warp. */
+template <int NT>
+__device__ __forceinline__ void qc_gemv_row_any(uint32_t type, const uint8_t *__restrict__ row,
+                                                int64_t cols, const float *__restrict__ x, int n,
+                                                int t0, int lane, float (&acc)[NT]) {
+    switch (type) {
+#define QC_CASE_(T) case T: qc_gemv_row<T, NT>(row, cols, x, n, t0, lane, acc); return;
+        QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+    }
+    /* unreachable: the launchers accept only QC_CUDA_FOR_EACH_TYPE */
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j] = 0.0f;
+}
+
+/* Tokens per GEMV block (NT) for an eval of n <= QC_GEMV_MAX_TOKENS tokens, and the grid's y
+ * extent that covers them. The launchers switch on nt to pick the kernel instantiation. */
+static inline int qc_gemv_tokens_per_block(int n) { return n == 1 ? 1 : n == 2 ? 2 : n <= 4 ? 4 : 8; }
+static inline unsigned qc_gemv_grid_y(int n) {
+    const int nt = qc_gemv_tokens_per_block(n);
+    return (unsigned)((n + nt - 1) / nt);
+}
+
+#endif /* QC_GEMV_CUH */
