@@ -38,9 +38,6 @@ __device__ __forceinline__ void qc_gemv_row(const uint8_t *__restrict__ row, int
     const int64_t parts = (cols + 7) / 8;
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[j] = 0.0f;
-    /* unrolled so that a lane has several parts' loads in flight: a decode GEMV has only about
-     * 7 warps per SM on the 896-row matrices, too few to hide DRAM latency one load at a time */
-#pragma unroll(NT == 1 ? 4 : 1)
     for (int64_t p = lane; p < parts; p += 32) {
         float w[8];
         qc_deq8<T>(row, p, cols, w);
@@ -72,7 +69,6 @@ __device__ __forceinline__ void qc_gemv_row2(const uint8_t *__restrict__ row_a,
     const int64_t parts = (cols + 7) / 8;
 #pragma unroll
     for (int j = 0; j < NT; j++) acc_a[j] = acc_b[j] = 0.0f;
-#pragma unroll(NT == 1 ? 2 : 1)
     for (int64_t p = lane; p < parts; p += 32) {
         float wa[8], wb[8];
         qc_deq8<T>(row_a, p, cols, wa);
