@@ -162,18 +162,49 @@ qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cac
  * 34 us a layer on an H100 (a quarter of the step). Here the keys are spread over
  * QC_ATT_SPLITS blocks per (head, token): block `split` and its groups take keys
  * split * groups + group, then every splits * groups keys; the block merges its groups into one
- * unnormalised partial (m, l, acc[head_dim]) and the combine kernel merges the splits. The grid
- * depends on (n_head, n) only, never on the position. */
+ * unnormalised partial (m, l, acc[head_dim]). The last block of a (head, token) to finish (a
+ * counter per pair, back to 0 after it) merges the splits' partials into the output, so the
+ * step needs no second launch. The grid depends on (n_head, n) only, never on the position. */
 #define QC_ATT_SPLITS 32
 #define QC_ATT_SPLIT_THREADS 128
+static_assert(QC_ATT_SPLITS <= 32, "the merge keeps one split per lane");
+
+/* out = sum over splits of acc e^(m - M) / sum of l e^(m - M) (split 0 always holds key 0). One
+ * warp turns the splits' (m, l) into weights e^(m - M) / L (lane s, split s), then every thread
+ * sums its dimensions over the splits with those weights. The partials were written by other
+ * blocks: they are read through L2 (__ldcg), never from a stale L1 line. */
+__device__ void qc_att_merge_splits(const float *p, int splits, int head_dim, float *o, float *weight) {
+    if (threadIdx.x < 32) {
+        const int s = threadIdx.x;
+        const float ms = s < splits ? __ldcg(p + s * (head_dim + 2)) : -INFINITY;
+        const float ls = s < splits ? __ldcg(p + s * (head_dim + 2) + 1) : 0.0f;
+        float M = ms;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+        const float e = ms == -INFINITY ? 0.0f : expf(ms - M);
+        float L = ls * e;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+        if (s < splits) weight[s] = e / L;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float v = 0.0f;
+        for (int s = 0; s < splits; s++) v = fmaf(__ldcg(p + s * (head_dim + 2) + 2 + d), weight[s], v);
+        o[d] = v;
+    }
+}
 
 template <int G>
 __global__ void __launch_bounds__(QC_ATT_SPLIT_THREADS)
 qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__ k_cache,
                           const float *__restrict__ v_cache, const int32_t *__restrict__ pos,
                           int n_head, int n_head_kv, int head_dim, float scale,
-                          float *__restrict__ part) {
+                          float *__restrict__ part, unsigned int *__restrict__ done,
+                          float *__restrict__ out) {
     extern __shared__ float smem[];
+    __shared__ float weight[32];
+    __shared__ bool last_block;
     const int h = blockIdx.x, split = blockIdx.y, t = blockIdx.z, splits = gridDim.y;
     const int kvh = h / (n_head / n_head_kv);
     const int kv_dim = n_head_kv * head_dim;
@@ -187,46 +218,29 @@ qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__
                    kv_dim, head_dim, scale, split * groups + group, splits * groups, pos[t], gmask,
                    lane, nullptr, 0, m, l, acc);
 
-    /* a split with no keys (short contexts) leaves m = -inf, l = 0: the combine skips it */
+    /* a split with no keys (short contexts) leaves m = -inf, l = 0: the merge skips it */
     const float M = qc_att_publish<G>(smem, group, groups, lane, head_dim, m, l, acc);
-    float *out = part + (((int64_t)t * n_head + h) * splits + split) * (head_dim + 2);
+    const int64_t pair = (int64_t)t * n_head + h;
+    float *mine = part + (pair * splits + split) * (head_dim + 2);
     if (threadIdx.x == 0) {
-        out[0] = M;
-        out[1] = qc_att_merged(smem, groups, head_dim, M, -1);
+        mine[0] = M;
+        mine[1] = qc_att_merged(smem, groups, head_dim, M, -1);
     }
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
-        out[2 + d] = qc_att_merged(smem, groups, head_dim, M, d);
-}
+        mine[2 + d] = qc_att_merged(smem, groups, head_dim, M, d);
 
-/* out[t][h] = sum over splits of acc e^(m - M) / sum of l e^(m - M); split 0 always holds key 0.
- * One warp turns the splits' (m, l) into weights e^(m - M) / L (lane s, split s), then every
- * thread sums its dimensions over the splits with those weights. */
-static_assert(QC_ATT_SPLITS <= 32, "the combine kernel keeps one split per lane");
-__global__ void qc_attention_combine_kernel(const float *__restrict__ part, int n_head, int splits,
-                                            int head_dim, float *__restrict__ out) {
-    __shared__ float weight[32];
-    const int h = blockIdx.x, t = blockIdx.y;
-    const float *p = part + ((int64_t)t * n_head + h) * splits * (head_dim + 2);
-    if (threadIdx.x < 32) {
-        const int s = threadIdx.x;
-        const float ms = s < splits ? p[s * (head_dim + 2)] : -INFINITY;
-        const float ls = s < splits ? p[s * (head_dim + 2) + 1] : 0.0f;
-        float M = ms;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-        const float e = ms == -INFINITY ? 0.0f : expf(ms - M);
-        float L = ls * e;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
-        if (s < splits) weight[s] = e / L;
+    /* publish the partial, then count it; the block that counts last merges them all */
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last_block = atomicAdd(&done[pair], 1u) == (unsigned)splits - 1;
+        if (last_block) done[pair] = 0;   /* ready for the next launch (all splits counted) */
     }
     __syncthreads();
-    float *o = out + ((int64_t)t * n_head + h) * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float v = 0.0f;
-        for (int s = 0; s < splits; s++) v = fmaf(p[s * (head_dim + 2) + 2 + d], weight[s], v);
-        o[d] = v;
-    }
+    if (!last_block) return;
+    __threadfence();
+    qc_att_merge_splits(part + pair * splits * (head_dim + 2), splits, head_dim,
+                        out + pair * head_dim, weight);
 }
 
 int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
@@ -245,7 +259,8 @@ int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, cons
     while (G < 32 && (G * QC_ATT_MAXD < head_dim || 4 * G < head_dim)) G *= 2;
     const float scale = 1.0f / sqrtf((float)head_dim);
     const size_t part_floats = (size_t)n * (size_t)n_head * QC_ATT_SPLITS * (size_t)(head_dim + 2);
-    if (!scores && !probs && n <= QC_GEMV_MAX_TOKENS && part_floats <= QC_ATT_PART_FLOATS) {
+    if (!scores && !probs && n <= QC_GEMV_MAX_TOKENS && part_floats <= QC_ATT_PART_FLOATS &&
+        (int64_t)n * n_head <= QC_ATT_PAIRS) {
         const int groups = QC_ATT_SPLIT_THREADS / G;
         const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
         const dim3 grid((unsigned)n_head, QC_ATT_SPLITS, (unsigned)n);
@@ -253,16 +268,14 @@ int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, cons
 #define QC_SPLIT_CASE_(g)                                                                         \
         case g:                                                                                   \
             qc_attention_split_kernel<g><<<grid, QC_ATT_SPLIT_THREADS, smem, cu->stream>>>(        \
-                q, k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, cu->attn_part);     \
+                q, k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, cu->attn_part,      \
+                cu->attn_done, out);                                                              \
             break;
             QC_SPLIT_CASE_(1) QC_SPLIT_CASE_(2) QC_SPLIT_CASE_(4) QC_SPLIT_CASE_(8) QC_SPLIT_CASE_(16)
             QC_SPLIT_CASE_(32)
 #undef QC_SPLIT_CASE_
         }
-        if (QC_LAUNCHED(be, "qc_attention_split_kernel") < 0) return -1;
-        qc_attention_combine_kernel<<<dim3((unsigned)n_head, (unsigned)n), 64, 0, cu->stream>>>(
-            cu->attn_part, n_head, QC_ATT_SPLITS, head_dim, out);
-        return QC_LAUNCHED(be, "qc_attention_combine_kernel");
+        return QC_LAUNCHED(be, "qc_attention_split_kernel");
     }
     const int threads = n <= QC_GEMV_MAX_TOKENS ? QC_ATT_THREADS_SHORT : QC_ATT_THREADS_LONG;
     const int groups = threads / G;

@@ -280,6 +280,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->scratch_x) cudaFree(cu->scratch_x);
             if (cu->scratch_up) cudaFree(cu->scratch_up);
             if (cu->attn_part) cudaFree(cu->attn_part);
+            if (cu->attn_done) cudaFree(cu->attn_done);
             if (cu->blas) cublasDestroy(cu->blas);
             if (cu->stream) cudaStreamDestroy(cu->stream);
         }
@@ -350,6 +351,8 @@ extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *er
     QC_CREATE_CHECK(cudaDeviceGetAttribute(&cu->sm_count, cudaDevAttrMultiProcessorCount, device));
     QC_CREATE_CHECK(cudaStreamCreateWithFlags(&cu->stream, cudaStreamNonBlocking));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_part, QC_ATT_PART_FLOATS * sizeof(float)));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_done, QC_ATT_PAIRS * sizeof(unsigned int)));
+    QC_CREATE_CHECK(cudaMemsetAsync(cu->attn_done, 0, QC_ATT_PAIRS * sizeof(unsigned int), cu->stream));
 #undef QC_CREATE_CHECK
     if ((bs = cublasCreate(&cu->blas)) != CUBLAS_STATUS_SUCCESS ||
         (bs = cublasSetStream(cu->blas, cu->stream)) != CUBLAS_STATUS_SUCCESS) {

@@ -23,21 +23,41 @@
 
 #define QC_TILE_ELEMS (16ll << 20)      /* prefill dequantization tile: 32 MiB as f16 */
 
-/* Tokens t0 .. t0 + NT - 1 (those < n) of x against row blockIdx.x * WARPS + warp of W:
+/* Tokens t0 .. t0 + NT - 1 (those < n) of x against the rows of W: with S = 1 row
+ * blockIdx.x * WARPS + warp, one warp each; with S = QC_GEMV_WARPS row blockIdx.x, its parts
+ * dealt to the block's warps in turn and the warps' sums added in warp order.
  * out = residual + (x W^T + bias), each term where its pointer is not NULL. residual may alias
  * out (matmul_add on the residual stream): each element is read, then written, by one lane, so
  * neither of the two is __restrict__. */
-template <int T, int NT>
+template <int T, int NT, int S>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
                const float *__restrict__ x, int n, const float *__restrict__ bias,
                const float *residual, float *out) {
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    static_assert(S == 1 || S == QC_GEMV_WARPS, "a split row takes the whole block");
+    __shared__ float slice_sum[S > 1 ? S : 1][NT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t r = S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS + warp : (int64_t)blockIdx.x;
     const int t0 = blockIdx.y * NT;
-    if (r >= rows) return;   /* whole warps leave together: the shuffles stay full */
+    if (r >= rows) return;   /* whole warps (S = 1) or the whole block (S > 1) leave together */
     float acc[NT];
-    qc_gemv_row<T, NT>(W + r * row_bytes, cols, x, n, t0, lane, acc);
+    if (S == 1) {
+        qc_gemv_row<T, NT>(W + r * row_bytes, cols, x, n, t0, lane, acc);
+    } else {
+        qc_gemv_row_slice<T, NT>(W + r * row_bytes, cols, x, n, t0, lane + 32 * warp, 32 * S, acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < NT; j++) slice_sum[warp][j] = acc[j];
+        }
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            acc[j] = slice_sum[0][j];
+#pragma unroll
+            for (int w = 1; w < S; w++) acc[j] += slice_sum[w][j];
+        }
+    }
     if (lane != 0) return;
 #pragma unroll
     for (int j = 0; j < NT; j++) {
@@ -50,27 +70,35 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     }
 }
 
-template <int T>
-static void launch_gemv(const qc_weight *w, const float *bias, const float *x, int n,
-                        const float *residual, float *out, cudaStream_t st) {
+template <int T, int S>
+static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x, int n,
+                          const float *residual, float *out, cudaStream_t st) {
     const int64_t rb = qc_row_bytes_t<T>(w->cols);
-    const dim3 grid((unsigned)((w->rows + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS), qc_gemv_grid_y(n));
+    const int64_t rows_per_block = QC_GEMV_WARPS / S;
+    const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
     const dim3 block(32 * QC_GEMV_WARPS);
     const uint8_t *W = (const uint8_t *)w->data;
     switch (qc_gemv_tokens_per_block(n)) {
     case 1:
-        qc_gemv_kernel<T, 1><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
+        qc_gemv_kernel<T, 1, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
         break;
     case 2:
-        qc_gemv_kernel<T, 2><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
+        qc_gemv_kernel<T, 2, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
         break;
     case 4:
-        qc_gemv_kernel<T, 4><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
+        qc_gemv_kernel<T, 4, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
         break;
     default:
-        qc_gemv_kernel<T, 8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
+        qc_gemv_kernel<T, 8, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
         break;
     }
+}
+
+template <int T>
+static void launch_gemv(const qc_weight *w, const float *bias, const float *x, int n,
+                        const float *residual, float *out, cudaStream_t st) {
+    if (qc_gemv_split(w->cols) > 1) launch_gemv_s<T, QC_GEMV_WARPS>(w, bias, x, n, residual, out, st);
+    else launch_gemv_s<T, 1>(w, bias, x, n, residual, out, st);
 }
 
 /* out[n][rows] (ldc = rows, starting at row r0) = X[n][cols] @ A^T for A (m, cols); with
@@ -141,7 +169,8 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
             return -1;
         return matmul_cublas(be, w, bias, x, n, out, residual != NULL);
     }
-    if ((w->rows + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS > INT32_MAX)
+    const int64_t rows_per_block = QC_GEMV_WARPS / qc_gemv_split(w->cols);
+    if ((w->rows + rows_per_block - 1) / rows_per_block > INT32_MAX)
         return qc_cuda_value_error(be, "matmul: %lld rows is too many", (long long)w->rows);
     switch (w->type) {
 #define QC_CASE_(T) case T: launch_gemv<T>(w, bias, x, n, residual, out, cu->stream); break;

@@ -33,11 +33,16 @@ typedef struct qc_cuda {
     /* split-K attention partials of short evals: (m, l, acc[head_dim]) per token, head and
      * split. Allocated once at creation, so a decode step recorded as a graph never allocates. */
     float *attn_part;
+    /* one counter per (token, head) of a split-K attention launch: the splits that finished;
+     * zero between launches (the last split resets it). Zeroed at creation. */
+    unsigned int *attn_done;
 } qc_cuda;
 
 /* Floats of attn_part: 32 splits x 14 heads x (64 + 2) for a 0.5B decode step is 30k; evals that
  * would need more use the one-block-per-head attention kernel. */
 #define QC_ATT_PART_FLOATS (1 << 20)
+/* (token, head) pairs that attn_done counts for: 8 tokens x 2048 heads */
+#define QC_ATT_PAIRS (1 << 14)
 
 static inline qc_cuda *qc_cuda_of(qc_backend *be) { return (qc_cuda *)be->impl; }
 

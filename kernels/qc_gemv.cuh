@@ -29,16 +29,17 @@ __device__ __forceinline__ void qc_load_x8(const float *__restrict__ xr, int64_t
     }
 }
 
-/* acc[j] = dot(stored row of type T, x[t0 + j]) for the tokens t0 + j < n (0 for the others),
- * the same value in every lane. All 32 lanes of the warp must call it (full-warp shuffles). */
+/* acc[j] = the sum over parts first, first + stride, ... of the stored row (type T) times
+ * x[t0 + j], for the tokens t0 + j < n (0 for the others), the same value in every lane. All 32
+ * lanes of the warp must call it (full-warp shuffles), with first = lane + 32 * slice. */
 template <int T, int NT>
-__device__ __forceinline__ void qc_gemv_row(const uint8_t *__restrict__ row, int64_t cols,
-                                            const float *__restrict__ x, int n, int t0, int lane,
-                                            float (&acc)[NT]) {
+__device__ __forceinline__ void qc_gemv_row_slice(const uint8_t *__restrict__ row, int64_t cols,
+                                                  const float *__restrict__ x, int n, int t0,
+                                                  int64_t first, int64_t stride, float (&acc)[NT]) {
     const int64_t parts = (cols + 7) / 8;
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[j] = 0.0f;
-    for (int64_t p = lane; p < parts; p += 32) {
+    for (int64_t p = first; p < parts; p += stride) {
         float w[8];
         qc_deq8<T>(row, p, cols, w);
 #pragma unroll
@@ -57,6 +58,21 @@ __device__ __forceinline__ void qc_gemv_row(const uint8_t *__restrict__ row, int
         for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
     }
 }
+
+/* acc[j] = dot(stored row of type T, x[t0 + j]): one warp takes the whole row. */
+template <int T, int NT>
+__device__ __forceinline__ void qc_gemv_row(const uint8_t *__restrict__ row, int64_t cols,
+                                            const float *__restrict__ x, int n, int t0, int lane,
+                                            float (&acc)[NT]) {
+    qc_gemv_row_slice<T, NT>(row, cols, x, n, t0, lane, 32, acc);
+}
+
+/* Long rows are shared by all QC_GEMV_WARPS warps of a block (one row per block): a decode
+ * GEMV of an 896 x 4864 matrix (ffn_down) would otherwise run 896 warps, about 7 per SM, too
+ * few to keep DRAM busy. Plain matmul and matmul_add use it (matmul.cu); the fused kernels
+ * serve rows of dim columns and keep one warp per row. */
+#define QC_GEMV_SPLIT_COLS 2048
+static inline int qc_gemv_split(int64_t cols) { return cols >= QC_GEMV_SPLIT_COLS ? QC_GEMV_WARPS : 1; }
 
 /* qc_gemv_row of two rows of one type (matmul_swiglu's gate and up rows) against the same x, in
  * one loop: twice the loads in flight per warp, and each x part loaded once for both. Each

@@ -152,6 +152,24 @@ def test_matmul_nonsquare(device, type_name, shape, n):
     check_close(got, x64 @ wref.T, np.abs(x64) @ np.abs(wref).T, rtol, f"matmul {type_name} {shape} n={n}")
 
 
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matmul_long_rows(device, type_name, n):
+    """Rows of 4864 columns (ffn_down of the 0.5B model): the CUDA GEMV deals a long row's
+    parts to the four warps of a block and adds their sums; matmul_add takes the same path."""
+    rows, cols = 37, 4864
+    w, wref = random_weight(type_name, rows, cols, seed=11)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    res = rng.standard_normal((n, rows)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    scale = np.abs(x64) @ np.abs(wref).T
+    got = K.matmul(w, x, device=device)
+    check_close(got, x64 @ wref.T, scale, 1e-5, f"matmul {type_name} (37, 4864) n={n} on {device}")
+    np.testing.assert_array_equal(K.matmul_add(w, x, res, device=device),
+                                  K.add(res, got, device=device))
+
+
 def test_matmul_vector_and_batch_shapes(device):
     w, wref = random_weight("Q8_0", 5, 64, seed=7)
     x = np.random.default_rng(8).standard_normal(64).astype(np.float32)
