@@ -350,8 +350,11 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
     const int n_history = st->n_history;
     const int32_t *history = (const int32_t *)(st + 1);   /* qc_sample_history, on the device */
 
+    /* greedy without a penalty (the common decode): the first largest logit, one pass, no copy */
+    const bool plain_greedy = temperature <= 0.0f && (penalty == 1.0f || n_history <= 0);
+
     /* non-finite handling: NaN is never chosen; -0 becomes +0 so that keys order like floats */
-    for (int i = tid; i < n; i += QC_SAMPLE_THREADS) {
+    for (int i = tid; i < n && !plain_greedy; i += QC_SAMPLE_THREADS) {
         const float x = logits[i];
         v[i] = x != x ? -INFINITY : (x == 0.0f ? 0.0f : x);
     }
@@ -359,7 +362,7 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
 
     /* repetition penalty, once per distinct token: the lowest history slot naming a token
      * applies it (marks in the mass area, which is not in use yet) */
-    if (penalty != 1.0f && n_history > 0) {
+    if (!plain_greedy && penalty != 1.0f && n_history > 0) {
         int *mark = (int *)mass;
         for (int h = tid; h < n_history; h += QC_SAMPLE_THREADS)
             if (history[h] >= 0 && history[h] < n) mark[history[h]] = INT_MAX;
@@ -377,8 +380,11 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
     /* the best value and its first index */
     float bv = -INFINITY;
     int bi = INT_MAX;
-    for (int i = tid; i < n; i += QC_SAMPLE_THREADS)
-        if (v[i] > bv || bi == INT_MAX) { bv = v[i]; bi = i; }
+    const float *src = plain_greedy ? logits : v;
+    for (int i = tid; i < n; i += QC_SAMPLE_THREADS) {
+        const float x = plain_greedy && src[i] != src[i] ? -INFINITY : src[i];
+        if (x > bv || bi == INT_MAX) { bv = x; bi = i; }
+    }
     for (int off = 16; off > 0; off >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
         const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
