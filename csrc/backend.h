@@ -109,13 +109,16 @@ typedef struct qc_backend_ops {
                       const float *residual, float *out);
     /* matmul of one x by n_parts (1..QC_MATMUL_MULTI_MAX) weights with the same cols, each with
      * its own type, rows, bias and output: q, k and v in one launch. The outputs must not
-     * overlap x or each other. */
+     * overlap x or each other. norm_w: when not NULL, x is first RMS-normalised with it and
+     * eps (rmsnorm, bit for bit; the normalised x is not kept), so the attention norm needs no
+     * launch of its own. */
     int (*matmul_multi)(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                        int n);
+                        int n, const float *norm_w, float eps);
     /* act[n][rows] = silu(x @ Wg^T) * (x @ Wu^T): matmul by w_gate and by w_up (no biases), then
-     * swiglu. w_gate and w_up have the same shape (rows, cols); their types may differ. */
+     * swiglu. w_gate and w_up have the same shape (rows, cols); their types may differ.
+     * norm_w, eps: as in matmul_multi (the feed-forward norm). */
     int (*matmul_swiglu)(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                         const float *x, int n, float *act);
+                         const float *x, int n, const float *norm_w, float eps, float *act);
     /* rope of q[n][n_head][head_dim] and of k[n][n_head_kv][head_dim] in place at pos[t], then
      * kv_store of the rotated k and of v[n][n_head_kv * head_dim] into the caches at pos[t]. */
     int (*rope_kv_store)(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,

@@ -516,20 +516,40 @@ static int op_matmul_multi(qc_backend *be, kernel_job *j) {
         parts[i].bias = (j->i1 >> i) & 1 ? (const float *)j->d_in[next_in++] : NULL;
         parts[i].out = (float *)j->d_out[i];
     }
-    return be->ops->matmul_multi(be, parts, j->n_out, (const float *)j->d_in[0], j->i0);
+    /* i2 > 0: the index of the input that is the norm weight (the last one), with eps f0 */
+    const float *norm_w = j->i2 > 0 ? (const float *)j->d_in[j->i2] : NULL;
+    return be->ops->matmul_multi(be, parts, j->n_out, (const float *)j->d_in[0], j->i0, norm_w, j->f0);
+}
+
+/* The optional norm weight of the fused ops: None, or float32 (cols,). NULL with an exception
+ * on error; *arr stays NULL for None. */
+static int norm_arg(PyObject *obj, int64_t cols, const char *what, PyArrayObject **arr) {
+    *arr = NULL;
+    if (obj == NULL || obj == Py_None) return 0;
+    if ((*arr = as_array(obj, NPY_FLOAT32, 1, what)) == NULL) return -1;
+    if (PyArray_DIM(*arr, 0) != cols) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd values for rows of %lld", what, (Py_ssize_t)PyArray_DIM(*arr, 0),
+                     (long long)cols);
+        Py_CLEAR(*arr);
+        return -1;
+    }
+    return 0;
 }
 
 static PyObject *kernel_matmul_multi(PyObject *self, PyObject *args) {
     (void)self;
     const char *device;
-    PyObject *wseq, *xobj, *bseq;
+    PyObject *wseq, *xobj, *bseq, *nobj = NULL;
+    float eps = 0.0f;
     weight_arg wa[QC_MATMUL_MULTI_MAX];
     PyArrayObject *x = NULL, *bias[QC_MATMUL_MULTI_MAX] = {NULL}, *out[QC_MATMUL_MULTI_MAX] = {NULL};
+    PyArrayObject *norm = NULL;
     PyObject *res = NULL;
     kernel_job j = {0};
     cached_backend *c;
     int n_parts = 0, n_parsed = 0;
-    if (!PyArg_ParseTuple(args, "sO!OO!", &device, &PyTuple_Type, &wseq, &xobj, &PyTuple_Type, &bseq))
+    if (!PyArg_ParseTuple(args, "sO!OO!|Of", &device, &PyTuple_Type, &wseq, &xobj, &PyTuple_Type, &bseq,
+                          &nobj, &eps))
         return NULL;
     n_parts = (int)PyTuple_GET_SIZE(wseq);
     if (n_parts < 1 || n_parts > QC_MATMUL_MULTI_MAX || PyTuple_GET_SIZE(bseq) != n_parts) {
@@ -568,6 +588,11 @@ static PyObject *kernel_matmul_multi(PyObject *self, PyObject *args) {
         if ((out[i] = new_array(NPY_FLOAT32, 2, shape)) == NULL) goto done;
         job_out(&j, PyArray_DATA(out[i]), nbytes_of(out[i]), -1);
     }
+    if (norm_arg(nobj, wa[0].w.cols, "matmul_multi norm", &norm) < 0) goto done;
+    if (norm) {
+        j.i2 = job_in(&j, PyArray_DATA(norm), nbytes_of(norm));
+        j.f0 = eps;
+    }
     if (run_job(c, &j) < 0) goto done;
     if ((res = PyTuple_New(n_parts)) == NULL) goto done;
     for (int i = 0; i < n_parts; i++) {
@@ -576,6 +601,7 @@ static PyObject *kernel_matmul_multi(PyObject *self, PyObject *args) {
     }
 done:
     Py_XDECREF(x);
+    Py_XDECREF(norm);
     for (int i = 0; i < QC_MATMUL_MULTI_MAX; i++) {
         Py_XDECREF(bias[i]);
         Py_XDECREF(out[i]);
@@ -585,19 +611,22 @@ done:
 }
 
 static int op_matmul_swiglu(qc_backend *be, kernel_job *j) {
-    return be->ops->matmul_swiglu(be, j->w[0], j->w[1], (const float *)j->d_in[0], j->i0, (float *)j->d_out[0]);
+    const float *norm_w = j->n_in > 1 ? (const float *)j->d_in[1] : NULL;
+    return be->ops->matmul_swiglu(be, j->w[0], j->w[1], (const float *)j->d_in[0], j->i0, norm_w, j->f0,
+                                  (float *)j->d_out[0]);
 }
 
 static PyObject *kernel_matmul_swiglu(PyObject *self, PyObject *args) {
     (void)self;
     const char *device;
-    PyObject *gobj, *uobj, *xobj;
+    PyObject *gobj, *uobj, *xobj, *nobj = NULL;
+    float eps = 0.0f;
     weight_arg wg, wu;
-    PyArrayObject *x = NULL, *out = NULL;
+    PyArrayObject *x = NULL, *out = NULL, *norm = NULL;
     kernel_job j = {0};
     cached_backend *c;
     npy_intp shape[2];
-    if (!PyArg_ParseTuple(args, "sOOO", &device, &gobj, &uobj, &xobj)) return NULL;
+    if (!PyArg_ParseTuple(args, "sOOO|Of", &device, &gobj, &uobj, &xobj, &nobj, &eps)) return NULL;
     if (weight_arg_parse(gobj, &wg) < 0) return NULL;
     if (weight_arg_parse(uobj, &wu) < 0) {
         weight_arg_release(&wg);
@@ -613,21 +642,26 @@ static PyObject *kernel_matmul_swiglu(PyObject *self, PyObject *args) {
     shape[0] = PyArray_DIM(x, 0);
     shape[1] = (npy_intp)wg.w.rows;
     if ((out = new_array(NPY_FLOAT32, 2, shape)) == NULL) goto fail;
+    if (norm_arg(nobj, wg.w.cols, "matmul_swiglu norm", &norm) < 0) goto fail;
     j.op = op_matmul_swiglu;
     j.w[0] = &wg.w;
     j.w[1] = &wu.w;
     j.i0 = (int)shape[0];
+    j.f0 = eps;
     j.empty = shape[0] == 0;
     job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    if (norm) job_in(&j, PyArray_DATA(norm), nbytes_of(norm));
     job_out(&j, PyArray_DATA(out), nbytes_of(out), -1);
     if (run_job(c, &j) < 0) goto fail;
     Py_DECREF(x);
+    Py_XDECREF(norm);
     weight_arg_release(&wg);
     weight_arg_release(&wu);
     return (PyObject *)out;
 fail:
     Py_XDECREF(x);
     Py_XDECREF(out);
+    Py_XDECREF(norm);
     weight_arg_release(&wg);
     weight_arg_release(&wu);
     return NULL;

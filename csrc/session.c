@@ -436,16 +436,23 @@ static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits,
         const int fuse_o = fuse && !layer_wants(s, l, L_ATTN_PROJ);
         const int fuse_gate_up = fuse && !layer_wants(s, l, L_GATE) && !layer_wants(s, l, L_UP);
         const int fuse_down = fuse && !layer_wants(s, l, L_FFN_OUT);
+        /* the norms fold into the projections after them unless their output is captured */
+        const int fuse_attn_norm = fuse && !layer_wants(s, l, L_ATTN_NORM);
+        const int fuse_ffn_norm = fuse_gate_up && !layer_wants(s, l, L_FFN_NORM);
 
         /* attention RMSNorm: xn = x / rms(x) * attn_norm */
-        if (op->rmsnorm(be, sc->x, L->attn_norm, n, dim, eps, sc->xn) < 0) goto backend_fail;
-        if (capture_layer(s, capture, l, L_ATTN_NORM, sc->xn, 2, n, dim, 0, err) < 0) goto fail;
+        if (!fuse_attn_norm) {
+            if (op->rmsnorm(be, sc->x, L->attn_norm, n, dim, eps, sc->xn) < 0) goto backend_fail;
+            if (capture_layer(s, capture, l, L_ATTN_NORM, sc->xn, 2, n, dim, 0, err) < 0) goto fail;
+        }
 
         /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them), in one pass */
         if (fuse) {
             const qc_matmul_part qkv[3] = {
                 {&L->wq, L->bq, sc->q}, {&L->wk, L->bk, sc->k}, {&L->wv, L->bv, sc->v}};
-            if (op->matmul_multi(be, qkv, 3, sc->xn, n) < 0) goto backend_fail;
+            if ((fuse_attn_norm ? op->matmul_multi(be, qkv, 3, sc->x, n, L->attn_norm, eps)
+                                : op->matmul_multi(be, qkv, 3, sc->xn, n, NULL, 0.0f)) < 0)
+                goto backend_fail;
         } else if (op->matmul(be, &L->wq, L->bq, sc->xn, n, sc->q) < 0 ||
                    op->matmul(be, &L->wk, L->bk, sc->xn, n, sc->k) < 0 ||
                    op->matmul(be, &L->wv, L->bv, sc->xn, n, sc->v) < 0) {
@@ -491,12 +498,16 @@ static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits,
         if (capture_layer(s, capture, l, L_RESID_MID, sc->x, 2, n, dim, 0, err) < 0) goto fail;
 
         /* feed-forward RMSNorm */
-        if (op->rmsnorm(be, sc->x, L->ffn_norm, n, dim, eps, sc->xn) < 0) goto backend_fail;
-        if (capture_layer(s, capture, l, L_FFN_NORM, sc->xn, 2, n, dim, 0, err) < 0) goto fail;
+        if (!fuse_ffn_norm) {
+            if (op->rmsnorm(be, sc->x, L->ffn_norm, n, dim, eps, sc->xn) < 0) goto backend_fail;
+            if (capture_layer(s, capture, l, L_FFN_NORM, sc->xn, 2, n, dim, 0, err) < 0) goto fail;
+        }
 
         /* gate and up projections, act = silu(gate) * up */
         if (fuse_gate_up) {
-            if (op->matmul_swiglu(be, &L->w_gate, &L->w_up, sc->xn, n, sc->act) < 0) goto backend_fail;
+            if ((fuse_ffn_norm ? op->matmul_swiglu(be, &L->w_gate, &L->w_up, sc->x, n, L->ffn_norm, eps, sc->act)
+                               : op->matmul_swiglu(be, &L->w_gate, &L->w_up, sc->xn, n, NULL, 0.0f, sc->act)) < 0)
+                goto backend_fail;
         } else {
             if (op->matmul(be, &L->w_gate, NULL, sc->xn, n, sc->gate) < 0 ||
                 op->matmul(be, &L->w_up, NULL, sc->xn, n, sc->up) < 0)

@@ -213,15 +213,15 @@ static int op_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int
 }
 
 static int op_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                           int n) {
+                           int n, const float *norm_w, float eps) {
     if (use_device(be) < 0) return -1;
-    return qc_cuda_matmul_multi(be, parts, n_parts, x, n);
+    return qc_cuda_matmul_multi(be, parts, n_parts, x, n, norm_w, eps);
 }
 
 static int op_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                            const float *x, int n, float *act) {
+                            const float *x, int n, const float *norm_w, float eps, float *act) {
     if (use_device(be) < 0) return -1;
-    return qc_cuda_matmul_swiglu(be, w_gate, w_up, x, n, act);
+    return qc_cuda_matmul_swiglu(be, w_gate, w_up, x, n, norm_w, eps, act);
 }
 
 static int op_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
@@ -280,6 +280,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->scratch_x) cudaFree(cu->scratch_x);
             if (cu->scratch_up) cudaFree(cu->scratch_up);
             if (cu->attn_part) cudaFree(cu->attn_part);
+            if (cu->scratch_norm) cudaFree(cu->scratch_norm);
             if (cu->attn_done) cudaFree(cu->attn_done);
             if (cu->blas) cublasDestroy(cu->blas);
             if (cu->stream) cudaStreamDestroy(cu->stream);

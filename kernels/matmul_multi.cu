@@ -7,6 +7,10 @@
  * and the switch on its type (qc_gemv_row_any) never diverges. A Q4_K_M file mixes types here
  * (q and k Q5_0, v Q8_0 or Q6_K). The dot products are qc_gemv_row's, the plain matmul's.
  *
+ * With a norm weight, a decode launch (one token, dim <= QC_NORM_FUSE_MAX_COLS) normalises x in
+ * every block's shared memory first (qc_norm_row_to_shared: the rmsnorm kernel's numbers), so the
+ * attention norm costs no launch; other evals normalise into a scratch buffer first.
+ *
  * Prefill (n > QC_GEMV_MAX_TOKENS): the matmul op, once per weight (cuBLAS).
  */
 #include "qc_gemv.cuh"
@@ -28,7 +32,14 @@ struct qc_gemv_parts {
 
 template <int NT>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
-qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__restrict__ x, int n) {
+qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__restrict__ x, int n,
+                     const float *__restrict__ norm_w, float eps) {
+    /* one normalised token row (decode); NT > 1 launches never get a norm weight */
+    __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
+    __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    if constexpr (NT == 1) {
+        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+    }
     /* the part of this block: the last whose first block is <= blockIdx.x (an unrolled loop:
      * constant indices, so the parameter array is not copied to local memory) */
     qc_gemv_part p = parts.part[0];
@@ -40,7 +51,8 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
     const int t0 = blockIdx.y * NT;
     if (r >= p.rows) return;   /* whole warps leave together: the shuffles stay full */
     float acc[NT];
-    qc_gemv_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, x, n, t0, lane, acc);
+    if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(p.type, p.W + r * p.row_bytes, cols, xs, n, t0, lane, acc);
+    else qc_gemv_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, x, n, t0, lane, acc);
     if (lane != 0) return;
 #pragma unroll
     for (int j = 0; j < NT; j++)
@@ -48,7 +60,7 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
 }
 
 int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                         int n) {
+                         int n, const float *norm_w, float eps) {
     qc_cuda *cu = qc_cuda_of(be);
     if (n_parts < 1 || n_parts > QC_MATMUL_MULTI_MAX)
         return qc_cuda_value_error(be, "matmul_multi: %d weights (1..%d)", n_parts, QC_MATMUL_MULTI_MAX);
@@ -61,6 +73,10 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
                                        (long long)w->rows, (long long)w->cols, (long long)cols);
     }
     if (n <= 0) return 0;
+    if (norm_w && (n != 1 || cols > QC_NORM_FUSE_MAX_COLS)) {
+        if (qc_cuda_norm_to_scratch(be, x, norm_w, n, cols, eps, &x) < 0) return -1;
+        norm_w = NULL;
+    }
     if (n > QC_GEMV_MAX_TOKENS) {
         for (int i = 0; i < n_parts; i++)
             if (qc_cuda_matmul(be, parts[i].w, parts[i].bias, x, n, parts[i].out) < 0) return -1;
@@ -87,10 +103,10 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
     if (blocks == 0) return 0;
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n)), block(32 * QC_GEMV_WARPS);
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_multi_kernel<1><<<grid, block, 0, cu->stream>>>(launch, cols, x, n); break;
-    case 2: qc_gemv_multi_kernel<2><<<grid, block, 0, cu->stream>>>(launch, cols, x, n); break;
-    case 4: qc_gemv_multi_kernel<4><<<grid, block, 0, cu->stream>>>(launch, cols, x, n); break;
-    default: qc_gemv_multi_kernel<8><<<grid, block, 0, cu->stream>>>(launch, cols, x, n); break;
+    case 1: qc_gemv_multi_kernel<1><<<grid, block, 0, cu->stream>>>(launch, cols, x, n, norm_w, eps); break;
+    case 2: qc_gemv_multi_kernel<2><<<grid, block, 0, cu->stream>>>(launch, cols, x, n, NULL, eps); break;
+    case 4: qc_gemv_multi_kernel<4><<<grid, block, 0, cu->stream>>>(launch, cols, x, n, NULL, eps); break;
+    default: qc_gemv_multi_kernel<8><<<grid, block, 0, cu->stream>>>(launch, cols, x, n, NULL, eps); break;
     }
     return QC_LAUNCHED(be, "qc_gemv_multi_kernel");
 }

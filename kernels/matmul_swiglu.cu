@@ -8,6 +8,8 @@
  * type that is the same for the whole grid. The dot products are qc_gemv_row's and the SwiGLU is
  * qc_silu_mul, so act equals matmul, matmul, swiglu bit for bit.
  *
+ * A norm weight is applied as in matmul_multi.cu (in shared memory for a decode launch).
+ *
  * Prefill (n > QC_GEMV_MAX_TOKENS): those three ops, with gate in act and up in a backend
  * scratch buffer (grown outside the decode path, like matmul's).
  */
@@ -19,13 +21,19 @@ template <int T, int NT>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_gemv_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu,
                       int64_t row_bytes, int64_t rows, int64_t cols, const float *__restrict__ x,
-                      int n, float *__restrict__ act) {
+                      int n, const float *__restrict__ norm_w, float eps, float *__restrict__ act) {
+    __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
+    __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    if constexpr (NT == 1) {
+        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+    }
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * NT;
     if (r >= rows) return;   /* whole warps leave together: the shuffles stay full */
     float g[NT], u[NT];
-    qc_gemv_row2<T, NT>(Wg + r * row_bytes, Wu + r * row_bytes, cols, x, n, t0, lane, g, u);
+    if (NT == 1 && norm_w) qc_gemv_row2<T, NT, true>(Wg + r * row_bytes, Wu + r * row_bytes, cols, xs, n, t0, lane, g, u);
+    else qc_gemv_row2<T, NT>(Wg + r * row_bytes, Wu + r * row_bytes, cols, x, n, t0, lane, g, u);
     if (lane != 0) return;
 #pragma unroll
     for (int j = 0; j < NT; j++)
@@ -38,14 +46,25 @@ __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_bytes,
                             uint32_t gate_type, const uint8_t *__restrict__ Wu,
                             int64_t up_row_bytes, uint32_t up_type, int64_t rows, int64_t cols,
-                            const float *__restrict__ x, int n, float *__restrict__ act) {
+                            const float *__restrict__ x, int n, const float *__restrict__ norm_w,
+                            float eps, float *__restrict__ act) {
+    __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
+    __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    if constexpr (NT == 1) {
+        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+    }
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * NT;
     if (r >= rows) return;
     float g[NT], u[NT];
-    qc_gemv_row_any<NT>(gate_type, Wg + r * gate_row_bytes, cols, x, n, t0, lane, g);
-    qc_gemv_row_any<NT>(up_type, Wu + r * up_row_bytes, cols, x, n, t0, lane, u);
+    if (NT == 1 && norm_w) {
+        qc_gemv_row_any<NT, true>(gate_type, Wg + r * gate_row_bytes, cols, xs, n, t0, lane, g);
+        qc_gemv_row_any<NT, true>(up_type, Wu + r * up_row_bytes, cols, xs, n, t0, lane, u);
+    } else {
+        qc_gemv_row_any<NT>(gate_type, Wg + r * gate_row_bytes, cols, x, n, t0, lane, g);
+        qc_gemv_row_any<NT>(up_type, Wu + r * up_row_bytes, cols, x, n, t0, lane, u);
+    }
     if (lane != 0) return;
 #pragma unroll
     for (int j = 0; j < NT; j++)
@@ -54,36 +73,37 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
 
 template <int T>
 static void launch_swiglu(const qc_weight *w_gate, const qc_weight *w_up, const float *x, int n,
-                          float *act, dim3 grid, cudaStream_t st) {
+                          const float *nw, float eps, float *act, dim3 grid, cudaStream_t st) {
     const int64_t rb = qc_row_bytes_t<T>(w_gate->cols);
     const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
     const dim3 block(32 * QC_GEMV_WARPS);
     const int64_t rows = w_gate->rows, cols = w_gate->cols;
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_swiglu_kernel<T, 1><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, act); break;
-    case 2: qc_gemv_swiglu_kernel<T, 2><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, act); break;
-    case 4: qc_gemv_swiglu_kernel<T, 4><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, act); break;
-    default: qc_gemv_swiglu_kernel<T, 8><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, act); break;
+    case 1: qc_gemv_swiglu_kernel<T, 1><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, nw, eps, act); break;
+    case 2: qc_gemv_swiglu_kernel<T, 2><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, NULL, eps, act); break;
+    case 4: qc_gemv_swiglu_kernel<T, 4><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, NULL, eps, act); break;
+    default: qc_gemv_swiglu_kernel<T, 8><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, NULL, eps, act); break;
     }
 }
 
 static void launch_swiglu_mixed(const qc_weight *w_gate, const qc_weight *w_up, const float *x,
-                                int n, float *act, dim3 grid, cudaStream_t st) {
+                                int n, const float *nw, float eps, float *act, dim3 grid,
+                                cudaStream_t st) {
     const int64_t cols = w_gate->cols, rows = w_gate->rows;
     const int64_t grb = qc_row_bytes(w_gate->type, cols), urb = qc_row_bytes(w_up->type, cols);
     const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
     const uint32_t gt = w_gate->type, ut = w_up->type;
     const dim3 block(32 * QC_GEMV_WARPS);
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_swiglu_mixed_kernel<1><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, act); break;
-    case 2: qc_gemv_swiglu_mixed_kernel<2><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, act); break;
-    case 4: qc_gemv_swiglu_mixed_kernel<4><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, act); break;
-    default: qc_gemv_swiglu_mixed_kernel<8><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, act); break;
+    case 1: qc_gemv_swiglu_mixed_kernel<1><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, nw, eps, act); break;
+    case 2: qc_gemv_swiglu_mixed_kernel<2><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, NULL, eps, act); break;
+    case 4: qc_gemv_swiglu_mixed_kernel<4><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, NULL, eps, act); break;
+    default: qc_gemv_swiglu_mixed_kernel<8><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, NULL, eps, act); break;
     }
 }
 
 int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                          const float *x, int n, float *act) {
+                          const float *x, int n, const float *norm_w, float eps, float *act) {
     qc_cuda *cu = qc_cuda_of(be);
     if (!qc_cuda_type_supported(w_gate->type) || !qc_cuda_type_supported(w_up->type) ||
         w_gate->rows != w_up->rows || w_gate->cols != w_up->cols)
@@ -92,6 +112,10 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
                                    (long long)w_gate->cols, w_up->type, (long long)w_up->rows, (long long)w_up->cols);
     const int64_t rows = w_gate->rows;
     if (n <= 0 || rows <= 0) return 0;
+    if (norm_w && (n != 1 || w_gate->cols > QC_NORM_FUSE_MAX_COLS)) {
+        if (qc_cuda_norm_to_scratch(be, x, norm_w, n, w_gate->cols, eps, &x) < 0) return -1;
+        norm_w = NULL;
+    }
     if (n > QC_GEMV_MAX_TOKENS) {
         const size_t bytes = (size_t)n * (size_t)rows * sizeof(float);
         if (qc_cuda_scratch(be, &cu->scratch_up, &cu->scratch_up_bytes, bytes) < 0 ||
@@ -105,11 +129,11 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
         return qc_cuda_value_error(be, "matmul_swiglu: %lld rows is too many", (long long)rows);
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n));
     if (w_gate->type != w_up->type) {
-        launch_swiglu_mixed(w_gate, w_up, x, n, act, grid, cu->stream);
+        launch_swiglu_mixed(w_gate, w_up, x, n, norm_w, eps, act, grid, cu->stream);
         return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");
     }
     switch (w_gate->type) {
-#define QC_CASE_(T) case T: launch_swiglu<T>(w_gate, w_up, x, n, act, grid, cu->stream); break;
+#define QC_CASE_(T) case T: launch_swiglu<T>(w_gate, w_up, x, n, norm_w, eps, act, grid, cu->stream); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }

@@ -33,6 +33,8 @@ typedef struct qc_cuda {
     /* split-K attention partials of short evals: (m, l, acc[head_dim]) per token, head and
      * split. Allocated once at creation, so a decode step recorded as a graph never allocates. */
     float *attn_part;
+    void *scratch_norm;         /* see qc_cuda_norm_to_scratch */
+    size_t scratch_norm_bytes;
     /* one counter per (token, head) of a split-K attention launch: the splits that finished;
      * zero between launches (the last split resets it). Zeroed at creation. */
     unsigned int *attn_done;
@@ -102,9 +104,13 @@ int qc_cuda_sample(qc_backend *be, const float *logits, int64_t n_vocab, const v
 int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
                        const float *residual, float *out);                        /* matmul.cu */
 int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                         int n);
+                         int n, const float *norm_w, float eps);
 int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                          const float *x, int n, float *act);
+                          const float *x, int n, const float *norm_w, float eps, float *act);
+/* x normalised by rmsnorm into a backend scratch buffer (grown outside the decode path), for
+ * the fused ops' norm where their kernels cannot normalise in shared memory. */
+int qc_cuda_norm_to_scratch(qc_backend *be, const float *x, const float *norm_w, int n, int64_t cols,
+                            float eps, const float **normed);
 int qc_cuda_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                           int n, int n_head, int n_head_kv, int head_dim, float theta,
                           float *k_cache, float *v_cache);                        /* rope.cu */

@@ -29,10 +29,53 @@ __device__ __forceinline__ void qc_load_x8(const float *__restrict__ xr, int64_t
     }
 }
 
+/* The same from x in shared memory (a row normalised by the block, qc_norm_row_to_shared). */
+__device__ __forceinline__ void qc_load_x8_shared(const float *xr, int64_t p, int64_t cols, float v[8]) {
+    const float *r = xr + 8 * p;
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = 8 * p + k < cols ? r[k] : 0.0f;
+}
+
+/* x[i] / rms(x) * w[i] of one row of dim values into xs (shared memory), by a block of
+ * QC_GEMV_WARPS warps, with the rmsnorm kernel's numbers bit for bit (rmsnorm.cu): its 256
+ * threads' strided fmaf chains are this block's two chains per thread, reduced by the same
+ * shuffles, and the eight warp sums are added in the same order. Every thread calls it. */
+#define QC_NORM_ROW_THREADS 256   /* rmsnorm.cu's QC_NORM_THREADS */
+__device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ x,
+                                                      const float *__restrict__ w, int dim,
+                                                      float eps, float *xs, float *warp_sums) {
+    static_assert(2 * 32 * QC_GEMV_WARPS == QC_NORM_ROW_THREADS, "two rmsnorm threads per thread");
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float ss[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        for (int i = tid + h * 32 * QC_GEMV_WARPS; i < dim; i += QC_NORM_ROW_THREADS)
+            ss[h] = fmaf(x[i], x[i], ss[h]);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], off);
+        if (lane == 0) warp_sums[warp + h * QC_GEMV_WARPS] = ss[h];
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float total = 0.0f;
+        for (int i = 0; i < QC_NORM_ROW_THREADS / 32; i++) total += warp_sums[i];
+        warp_sums[QC_NORM_ROW_THREADS / 32] = 1.0f / sqrtf(total / (float)dim + eps);
+    }
+    __syncthreads();
+    const float scale = warp_sums[QC_NORM_ROW_THREADS / 32];
+    for (int i = tid; i < dim; i += 32 * QC_GEMV_WARPS) xs[i] = x[i] * scale * w[i];
+    __syncthreads();
+}
+/* Widest row that the GEMV kernels normalise in shared memory (decode); wider ones, and evals
+ * of several tokens, go through the rmsnorm op into a scratch buffer first. */
+#define QC_NORM_FUSE_MAX_COLS 4096
+
 /* acc[j] = the sum over parts first, first + stride, ... of the stored row (type T) times
  * x[t0 + j], for the tokens t0 + j < n (0 for the others), the same value in every lane. All 32
  * lanes of the warp must call it (full-warp shuffles), with first = lane + 32 * slice. */
-template <int T, int NT>
+template <int T, int NT, bool XS = false>
 __device__ __forceinline__ void qc_gemv_row_slice(const uint8_t *__restrict__ row, int64_t cols,
                                                   const float *__restrict__ x, int n, int t0,
                                                   int64_t first, int64_t stride, float (&acc)[NT]) {
@@ -46,7 +89,8 @@ __device__ __forceinline__ void qc_gemv_row_slice(const uint8_t *__restrict__ ro
         for (int j = 0; j < NT; j++) {
             if (t0 + j < n) {
                 float xv[8];
-                qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
+                if (XS) qc_load_x8_shared(x + (int64_t)(t0 + j) * cols, p, cols, xv);
+                else qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
 #pragma unroll
                 for (int k = 0; k < 8; k++) acc[j] = fmaf(w[k], xv[k], acc[j]);
             }
@@ -59,12 +103,13 @@ __device__ __forceinline__ void qc_gemv_row_slice(const uint8_t *__restrict__ ro
     }
 }
 
-/* acc[j] = dot(stored row of type T, x[t0 + j]): one warp takes the whole row. */
-template <int T, int NT>
+/* acc[j] = dot(stored row of type T, x[t0 + j]): one warp takes the whole row. XS: x is in
+ * shared memory. */
+template <int T, int NT, bool XS = false>
 __device__ __forceinline__ void qc_gemv_row(const uint8_t *__restrict__ row, int64_t cols,
                                             const float *__restrict__ x, int n, int t0, int lane,
                                             float (&acc)[NT]) {
-    qc_gemv_row_slice<T, NT>(row, cols, x, n, t0, lane, 32, acc);
+    qc_gemv_row_slice<T, NT, XS>(row, cols, x, n, t0, lane, 32, acc);
 }
 
 /* Long rows are shared by all QC_GEMV_WARPS warps of a block (one row per block): a decode
@@ -77,7 +122,7 @@ static inline int qc_gemv_split(int64_t cols) { return cols >= QC_GEMV_SPLIT_COL
 /* qc_gemv_row of two rows of one type (matmul_swiglu's gate and up rows) against the same x, in
  * one loop: twice the loads in flight per warp, and each x part loaded once for both. Each
  * accumulator goes through exactly the operations qc_gemv_row gives it. */
-template <int T, int NT>
+template <int T, int NT, bool XS = false>
 __device__ __forceinline__ void qc_gemv_row2(const uint8_t *__restrict__ row_a,
                                              const uint8_t *__restrict__ row_b, int64_t cols,
                                              const float *__restrict__ x, int n, int t0, int lane,
@@ -93,7 +138,8 @@ __device__ __forceinline__ void qc_gemv_row2(const uint8_t *__restrict__ row_a,
         for (int j = 0; j < NT; j++) {
             if (t0 + j < n) {
                 float xv[8];
-                qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
+                if (XS) qc_load_x8_shared(x + (int64_t)(t0 + j) * cols, p, cols, xv);
+                else qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
 #pragma unroll
                 for (int k = 0; k < 8; k++) {
                     acc_a[j] = fmaf(wa[k], xv[k], acc_a[j]);
@@ -114,12 +160,12 @@ __device__ __forceinline__ void qc_gemv_row2(const uint8_t *__restrict__ row_a,
 
 /* qc_gemv_row for a type known only at run time. The fused kernels call it where the type is
  * the same for a whole block (one weight per block), so the switch never splits a warp. */
-template <int NT>
+template <int NT, bool XS = false>
 __device__ __forceinline__ void qc_gemv_row_any(uint32_t type, const uint8_t *__restrict__ row,
                                                 int64_t cols, const float *__restrict__ x, int n,
                                                 int t0, int lane, float (&acc)[NT]) {
     switch (type) {
-#define QC_CASE_(T) case T: qc_gemv_row<T, NT>(row, cols, x, n, t0, lane, acc); return;
+#define QC_CASE_(T) case T: qc_gemv_row<T, NT, XS>(row, cols, x, n, t0, lane, acc); return;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }

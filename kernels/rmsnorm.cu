@@ -31,6 +31,16 @@ qc_rmsnorm_kernel(const float *__restrict__ x, const float *__restrict__ w, int 
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * scale * w[i];
 }
 
+int qc_cuda_norm_to_scratch(qc_backend *be, const float *x, const float *norm_w, int n, int64_t cols,
+                            float eps, const float **normed) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (qc_cuda_scratch(be, &cu->scratch_norm, &cu->scratch_norm_bytes, (size_t)n * (size_t)cols * sizeof(float)) < 0 ||
+        qc_cuda_rmsnorm(be, x, norm_w, n, (int)cols, eps, (float *)cu->scratch_norm) < 0)
+        return -1;
+    *normed = (const float *)cu->scratch_norm;
+    return 0;
+}
+
 int qc_cuda_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
                     float *out) {
     qc_cuda *cu = qc_cuda_of(be);

@@ -344,10 +344,12 @@ def matmul_add(weight, x, residual, device="cpu", in_place=True):
     return out.reshape(residual.shape)
 
 
-def matmul_multi(weights, x, biases=None, device="cpu"):
+def matmul_multi(weights, x, biases=None, device="cpu", norm=None, eps=1e-6):
     """(x @ W_i.T + b_i for each weight) in one op: up to MATMUL_MULTI_MAX weights with the same
     columns, each of its own type and rows (q, k and v). biases: None, or one bias (or None) per
-    weight. Returns a tuple of arrays (..., rows_i)."""
+    weight. norm: an RMSNorm weight (cols,): x is normalised first with it and eps, exactly as
+    rmsnorm(x, norm, eps) would (the attention norm folded into the op). Returns a tuple of
+    arrays (..., rows_i)."""
     ws = [_weight(w) for w in weights]
     if not 1 <= len(ws) <= MATMUL_MULTI_MAX:
         raise ValueError(f"matmul_multi: 1 to {MATMUL_MULTI_MAX} weights, got {len(ws)}")
@@ -366,19 +368,30 @@ def matmul_multi(weights, x, biases=None, device="cpu"):
             if b.shape[0] != w.shape[0]:
                 raise ValueError(f"matmul_multi: bias {i} has {b.shape[0]} values, its weight {w.shape[0]} rows")
     outs = _core.kernel_matmul_multi(_device(device), tuple(w._arg() for w in ws), x.reshape(-1, cols),
-                                     tuple(biases))
+                                     tuple(biases), _norm_arg(norm, cols, "matmul_multi"), float(eps))
     return tuple(o.reshape(*x.shape[:-1], w.shape[0]) for o, w in zip(outs, ws))
 
 
-def matmul_swiglu(w_gate, w_up, x, device="cpu"):
+def _norm_arg(norm, cols, op):
+    if norm is None:
+        return None
+    norm = _f32(norm, "norm", 1)
+    if norm.shape[0] != cols:
+        raise ValueError(f"{op}: norm has {norm.shape[0]} values, x rows {cols}")
+    return norm
+
+
+def matmul_swiglu(w_gate, w_up, x, device="cpu", norm=None, eps=1e-6):
     """silu(x @ Wg.T) * (x @ Wu.T) (matmul, matmul, swiglu in one op): gate and up weights of one
-    shape (rows, cols), types may differ; x (..., cols) -> (..., rows)."""
+    shape (rows, cols), types may differ; x (..., cols) -> (..., rows). norm, eps: as in
+    matmul_multi (the feed-forward norm folded into the op)."""
     g, u = _weight(w_gate), _weight(w_up)
     if g.shape != u.shape:
         raise ValueError(f"matmul_swiglu: gate {g.shape} and up {u.shape} differ in shape")
     rows, cols = g.shape
     x = _matmul_x(x, cols, "matmul_swiglu")
-    out = _core.kernel_matmul_swiglu(_device(device), g._arg(), u._arg(), x.reshape(-1, cols))
+    out = _core.kernel_matmul_swiglu(_device(device), g._arg(), u._arg(), x.reshape(-1, cols),
+                                     _norm_arg(norm, cols, "matmul_swiglu"), float(eps))
     return out.reshape(*x.shape[:-1], rows)
 
 

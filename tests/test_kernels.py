@@ -170,6 +170,31 @@ def test_matmul_long_rows(device, type_name, n):
                                   K.add(res, got, device=device))
 
 
+@pytest.mark.parametrize("n", [1, 3, 9])
+@pytest.mark.parametrize("type_name", ["F32", "F16", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_fused_norm_equals_rmsnorm_first(device, type_name, n):
+    """matmul_multi / matmul_swiglu with norm= equal rmsnorm followed by the op, bit for bit:
+    a CUDA decode launch (n = 1) normalises in every block's shared memory with the rmsnorm
+    kernel's own reduction order; other evals normalise into a scratch buffer first."""
+    cols = _default_cols(type_name)
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
+    nw = rng.standard_normal(cols).astype(np.float32)
+    eps = 1e-6
+    xn = K.rmsnorm(x, nw, eps=eps, device=device)
+    ws = [random_weight(type_name, rows, cols, seed=30 + rows)[0] for rows in (19, 5, 7)]
+    biases = [rng.standard_normal(w.shape[0]).astype(np.float32) for w in ws]
+    got = K.matmul_multi(ws, x, biases, device=device, norm=nw, eps=eps)
+    want = K.matmul_multi(ws, xn, biases, device=device)
+    for g, w_ in zip(got, want):
+        np.testing.assert_array_equal(g, w_)
+    wg, wu = ws[0], random_weight(type_name, 19, cols, seed=77)[0]
+    np.testing.assert_array_equal(K.matmul_swiglu(wg, wu, x, device=device, norm=nw, eps=eps),
+                                  K.matmul_swiglu(wg, wu, xn, device=device))
+    with pytest.raises(ValueError, match="norm"):
+        K.matmul_multi(ws, x, biases, device=device, norm=nw[:-1])
+
+
 def test_matmul_vector_and_batch_shapes(device):
     w, wref = random_weight("Q8_0", 5, 64, seed=7)
     x = np.random.default_rng(8).standard_normal(64).astype(np.float32)

@@ -35,9 +35,9 @@ int qc_cpu_sample(qc_backend *be, const float *logits, int64_t n_vocab, const vo
 int qc_cpu_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
                       const float *residual, float *out);
 int qc_cpu_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                        int n);
+                        int n, const float *norm_w, float eps);
 int qc_cpu_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                         const float *x, int n, float *act);
+                         const float *x, int n, const float *norm_w, float eps, float *act);
 int qc_cpu_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                          int n, int n_head, int n_head_kv, int head_dim, float theta,
                          float *k_cache, float *v_cache);

@@ -26,6 +26,7 @@
 #include "cpu_backend.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "quants.h"
@@ -231,8 +232,27 @@ int qc_cpu_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
     return matmul_run(be, &job);
 }
 
+/* The fused ops' norm: x normalised by the rmsnorm op into a malloc'd buffer (*owned, freed
+ * by the caller), or x itself without norm_w. */
+static const float *normed_input(qc_backend *be, const float *x, const float *norm_w, int n,
+                                 int64_t cols, float eps, float **owned) {
+    *owned = NULL;
+    if (norm_w == NULL || n == 0) return x;
+    *owned = malloc((size_t)n * (size_t)cols * sizeof(float));
+    if (*owned == NULL) {
+        qc_fail(&be->err, QC_ERR_NOMEM, "fused norm: out of memory");
+        return NULL;
+    }
+    if (qc_cpu_rmsnorm(be, x, norm_w, n, (int)cols, eps, *owned) < 0) {
+        free(*owned);
+        *owned = NULL;
+        return NULL;
+    }
+    return *owned;
+}
+
 int qc_cpu_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                        int n) {
+                        int n, const float *norm_w, float eps) {
     if (n_parts < 1 || n_parts > QC_MATMUL_MULTI_MAX)
         return qc_fail(&be->err, QC_ERR_VALUE, "matmul_multi: %d weights (1..%d)", n_parts,
                        QC_MATMUL_MULTI_MAX);
@@ -242,7 +262,11 @@ int qc_cpu_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts
         if (row_bytes < 0) return -1;
         job.part[i] = (matmul_part){parts[i].w, row_bytes, parts[i].bias, NULL, parts[i].out};
     }
-    return matmul_run(be, &job);
+    float *owned;
+    if ((job.x = normed_input(be, x, norm_w, n, parts[0].w->cols, eps, &owned)) == NULL) return -1;
+    int rc = matmul_run(be, &job);
+    free(owned);
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -307,7 +331,7 @@ static void matmul_swiglu_rows(void *ctx, int64_t begin, int64_t end, int worker
 }
 
 int qc_cpu_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                         const float *x, int n, float *act) {
+                         const float *x, int n, const float *norm_w, float eps, float *act) {
     const int64_t gate_row_bytes = check_weight(be, w_gate, -1, n, "matmul_swiglu");
     if (gate_row_bytes < 0) return -1;
     const int64_t up_row_bytes = check_weight(be, w_up, w_gate->cols, n, "matmul_swiglu");
@@ -318,9 +342,13 @@ int qc_cpu_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weigh
     const int64_t rows = w_gate->rows, cols = w_gate->cols;
     if (n == 0 || rows == 0) return 0;
     if (n > 1 && qc_cpu_scratch(be, 2 * (size_t)QC_SWIGLU_TILE * (size_t)cols) < 0) return -1;
-    swiglu_mm_job job = {be, w_gate, w_up, gate_row_bytes, up_row_bytes, x, n, act};
+    float *owned;
+    const float *xin = normed_input(be, x, norm_w, n, cols, eps, &owned);
+    if (xin == NULL) return -1;
+    swiglu_mm_job job = {be, w_gate, w_up, gate_row_bytes, up_row_bytes, xin, n, act};
     if (2 * rows * cols * n < QC_PARALLEL_MIN) matmul_swiglu_rows(&job, 0, rows, 0);
     else qc_pool_run(state(be)->pool, rows, matmul_swiglu_rows, &job);
+    free(owned);
     return 0;
 }
 
