@@ -121,18 +121,13 @@ __device__ void qc_walk_bins(const T *hist, T need, int *chosen, T *above) {
 
 /* What every thread needs to know of the chain so far (shared memory). */
 struct qc_sample_plan {
-    float vmax, cut;
+    float vmax, cut;          /* the best value; candidates are >= cut */
     int best;                 /* first index of vmax */
-    int n_cand;               /* tokens with v >= cut */
     int use_k, use_p;
     uint32_t k_key, p_key;    /* the k-th best key; the key where top-p's mass is reached */
     int k_last, p_last;       /* ties at those keys are kept up to this id */
-    double p_target;          /* top_p x (mass of the top-k survivors) */
-    double p_above;           /* mass of the keys above p_key */
     int use_min;
     double min_v;             /* min-p: logits >= this stay */
-    float inv_t;
-    int last;                 /* the largest surviving id */
 };
 
 __device__ __forceinline__ bool qc_in_top_k(const qc_sample_plan &p, float v, int i) {
