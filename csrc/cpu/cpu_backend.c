@@ -51,6 +51,7 @@ static void cpu_destroy(qc_backend *be) {
         qc_pool_destroy(st->pool);
         for (int i = 0; i < st->n_scratch; i++) free(st->scratch[i]);
         free(st->scratch);
+        free(st->normed);
         free(st);
     }
     free(be);
@@ -72,6 +73,21 @@ int qc_cpu_scratch(qc_backend *be, size_t floats_per_thread) {
     }
     st->scratch_floats = want;
     return 0;
+}
+
+float *qc_cpu_normed_buffer(qc_backend *be, size_t floats) {
+    qc_cpu_state *st = be->impl;
+    if (floats > st->normed_floats) {
+        float *grown = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
+        if (!grown) {
+            qc_fail(&be->err, QC_ERR_NOMEM, "cpu: cannot allocate %zu floats for a normalised input", floats);
+            return NULL;
+        }
+        free(st->normed);
+        st->normed = grown;
+        st->normed_floats = floats;
+    }
+    return st->normed;
 }
 
 static const qc_backend_ops cpu_ops = {

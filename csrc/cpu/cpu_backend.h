@@ -10,10 +10,15 @@ typedef struct {
     float **scratch;               /* [n_scratch] per-thread buffers of scratch_floats floats */
     int n_scratch;
     size_t scratch_floats;
+    float *normed;                 /* the fused ops' normalised input (qc_cpu_normed_buffer) */
+    size_t normed_floats;
 } qc_cpu_state;
 
 /* Make every thread's scratch buffer hold at least floats_per_thread floats. */
 int qc_cpu_scratch(qc_backend *be, size_t floats_per_thread);
+/* A buffer of at least floats floats for the fused ops' normalised input, kept across calls
+ * (a decode step allocates nothing); NULL with be->err set when out of memory. */
+float *qc_cpu_normed_buffer(qc_backend *be, size_t floats);
 
 int qc_cpu_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out);
 int qc_cpu_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,

@@ -26,7 +26,6 @@
 #include "cpu_backend.h"
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "quants.h"
@@ -232,23 +231,14 @@ int qc_cpu_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
     return matmul_run(be, &job);
 }
 
-/* The fused ops' norm: x normalised by the rmsnorm op into a malloc'd buffer (*owned, freed
- * by the caller), or x itself without norm_w. */
+/* The fused ops' norm: x normalised by the rmsnorm op into the backend's normed buffer, or x
+ * itself without norm_w. NULL with be->err set on failure. */
 static const float *normed_input(qc_backend *be, const float *x, const float *norm_w, int n,
-                                 int64_t cols, float eps, float **owned) {
-    *owned = NULL;
+                                 int64_t cols, float eps) {
     if (norm_w == NULL || n == 0) return x;
-    *owned = malloc((size_t)n * (size_t)cols * sizeof(float));
-    if (*owned == NULL) {
-        qc_fail(&be->err, QC_ERR_NOMEM, "fused norm: out of memory");
-        return NULL;
-    }
-    if (qc_cpu_rmsnorm(be, x, norm_w, n, (int)cols, eps, *owned) < 0) {
-        free(*owned);
-        *owned = NULL;
-        return NULL;
-    }
-    return *owned;
+    float *xn = qc_cpu_normed_buffer(be, (size_t)n * (size_t)cols);
+    if (xn == NULL || qc_cpu_rmsnorm(be, x, norm_w, n, (int)cols, eps, xn) < 0) return NULL;
+    return xn;
 }
 
 int qc_cpu_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
@@ -262,11 +252,8 @@ int qc_cpu_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts
         if (row_bytes < 0) return -1;
         job.part[i] = (matmul_part){parts[i].w, row_bytes, parts[i].bias, NULL, parts[i].out};
     }
-    float *owned;
-    if ((job.x = normed_input(be, x, norm_w, n, parts[0].w->cols, eps, &owned)) == NULL) return -1;
-    int rc = matmul_run(be, &job);
-    free(owned);
-    return rc;
+    if ((job.x = normed_input(be, x, norm_w, n, parts[0].w->cols, eps)) == NULL) return -1;
+    return matmul_run(be, &job);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -342,13 +329,11 @@ int qc_cpu_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weigh
     const int64_t rows = w_gate->rows, cols = w_gate->cols;
     if (n == 0 || rows == 0) return 0;
     if (n > 1 && qc_cpu_scratch(be, 2 * (size_t)QC_SWIGLU_TILE * (size_t)cols) < 0) return -1;
-    float *owned;
-    const float *xin = normed_input(be, x, norm_w, n, cols, eps, &owned);
+    const float *xin = normed_input(be, x, norm_w, n, cols, eps);
     if (xin == NULL) return -1;
     swiglu_mm_job job = {be, w_gate, w_up, gate_row_bytes, up_row_bytes, xin, n, act};
     if (2 * rows * cols * n < QC_PARALLEL_MIN) matmul_swiglu_rows(&job, 0, rows, 0);
     else qc_pool_run(state(be)->pool, rows, matmul_swiglu_rows, &job);
-    free(owned);
     return 0;
 }
 
