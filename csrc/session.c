@@ -6,8 +6,9 @@
  * nothing), and the lm_head output. Capture copies a named activation to host memory right after
  * the step that produced it, and only when one of the caller's patterns names it.
  *
- * The forward pass runs the fused ops of backend.h (q/k/v in one matmul, RoPE with the cache
- * write, residual adds in the matmul epilogues, gate/up with SwiGLU) wherever the eval captures
+ * The forward pass runs the fused ops of backend.h (q/k/v in one matmul with the attention norm
+ * folded in, RoPE with the cache write, residual adds in the matmul epilogues, gate/up with
+ * SwiGLU and the feed-forward norm folded in) wherever the eval captures
  * none of the intermediates they skip; elsewhere it runs the unfused sequence, which computes
  * the same numbers (bit for bit but in the CUDA prefill's GEMM epilogue), so a capture does not
  * change what it observes.
@@ -65,8 +66,8 @@ struct qc_session {
     size_t score_cap;         /* elements */
     float **k_cache;          /* [n_layer] (max_ctx, n_head_kv * head_dim), after RoPE */
     float **v_cache;          /* [n_layer] (max_ctx, n_head_kv * head_dim) */
-    void *decode_rec[3];      /* the recorded decode step (backend replay), or NULL: with the
-                                 argmax, with a draw, with both (decode_slot) */
+    void *decode_rec[3];      /* the recorded decode step (backend replay), or NULL: [0] with
+                                 the argmax, [1] with a draw, [2] with both */
     int no_replay;            /* recording failed once on this backend: run ops plainly */
     /* sampling on the backend (an eval with a sampler), allocated at the first such eval */
     void *sample_state;       /* (sample_state_cap) qc_sample_state and its token ids */
