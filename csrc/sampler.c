@@ -46,7 +46,6 @@ struct qc_sampler {
     int n_history;            /* entries filled, <= repeat_last_n */
     int head;                 /* next slot to write */
     qc_sample_state *state;   /* (qc_sampler_state_bytes) the next draw's state, exported */
-    unsigned char *seen;      /* (n_vocab) export's duplicate marks, all 0 between calls */
     void *work;               /* (qc_sample_work_bytes) */
 };
 
@@ -333,12 +332,13 @@ int qc_sampler_create(const qc_sampler_params *p, int64_t n_vocab, qc_sampler **
     s->rng = qc_sample_rng_from_seed(p->seed);
     s->history = malloc((size_t)(p->repeat_last_n > 0 ? p->repeat_last_n : 1) * sizeof *s->history);
     s->state = malloc(qc_sampler_state_bytes(s));
-    s->seen = calloc((size_t)n_vocab, 1);
     s->work = malloc(qc_sample_work_bytes(n_vocab));
-    if (!s->history || !s->state || !s->seen || !s->work) {
+    if (!s->history || !s->state || !s->work) {
         qc_sampler_free(s);
         return qc_fail(err, QC_ERR_NOMEM, "sampler: out of memory");
     }
+    /* qc_sampler_export borrows the draw's marks, which are all 0 between calls */
+    memset(carve_work(s->work, n_vocab).seen, 0, (size_t)n_vocab);
     *out = s;
     return 0;
 }
@@ -347,7 +347,6 @@ void qc_sampler_free(qc_sampler *s) {
     if (s == NULL) return;
     free(s->history);
     free(s->state);
-    free(s->seen);
     free(s->work);
     free(s);
 }
@@ -371,13 +370,15 @@ size_t qc_sampler_export(qc_sampler *s, qc_sample_state *st) {
     st->repeat_penalty = s->p.repeat_penalty;
     st->top_k = s->p.top_k;
     if (s->p.repeat_penalty != 1.0f) {
+        /* distinct tokens only: fewer to upload; marks borrowed from the (idle) draw scratch */
+        unsigned char *seen = carve_work(s->work, s->n_vocab).seen;
         for (int i = 0; i < s->n_history; i++) {
             int32_t t = s->history[i];
-            if (s->seen[t]) continue;
-            s->seen[t] = 1;
+            if (seen[t]) continue;
+            seen[t] = 1;
             hist[n++] = t;
         }
-        for (int i = 0; i < n; i++) s->seen[hist[i]] = 0;
+        for (int i = 0; i < n; i++) seen[hist[i]] = 0;
     }
     st->n_history = n;
     return sizeof *st + (size_t)n * sizeof(int32_t);
