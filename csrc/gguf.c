@@ -397,6 +397,57 @@ static int read_tensor_info(reader *r, gguf_tensor *t, qc_error *err) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* the data layout                                                                              */
+
+/* Tensor data is stored back to back in table order, each tensor padded to the alignment, the
+ * first at offset 0: what llama.cpp and gguf-py write and what llama.cpp's reader demands. A
+ * file that breaks this is not a layout choice but a damaged table, and it would otherwise
+ * load and compute garbage: an offset that aliases another tensor's data (or 0), a type or
+ * shape changed so the tensor's byte size no longer matches its slot, a general.alignment
+ * changed without re-padding, a tensor count one too low (the data section then holds bytes
+ * that no table entry describes). Called after every tensor's range was checked against the
+ * file size, so the sums below cannot overflow. */
+static int check_layout(const gguf_file *f, qc_error *err) {
+    char q[GGUF_QUOTE_MAX + 8], qp[GGUF_QUOTE_MAX + 8];
+    uint64_t expected = 0;     /* where the next tensor's data must start */
+    for (uint64_t i = 0; i < f->n_tensors; i++) {
+        const gguf_tensor *t = &f->tensors[i];
+        if (t->offset != expected) {
+            quote(q, t->name, strlen(t->name));
+            if (i == 0)
+                return qc_fail(err, QC_ERR_GGUF, "tensor '%s': data offset %" PRIu64 ", expected "
+                               "0 (the first tensor's data starts the data section)", q, t->offset);
+            const gguf_tensor *p = &f->tensors[i - 1];
+            quote(qp, p->name, strlen(p->name));
+            if (t->offset < expected)
+                return qc_fail(err, QC_ERR_GGUF, "tensor '%s': data offset %" PRIu64 " overlaps the "
+                               "data of tensor '%s' [%" PRIu64 ", %" PRIu64 ") (expected %" PRIu64
+                               ": tensors are stored back to back, each padded to the alignment %"
+                               PRIu64 ")", q, t->offset, qp, p->offset, p->offset + p->nbytes,
+                               expected, f->alignment);
+            return qc_fail(err, QC_ERR_GGUF, "tensor '%s': data offset %" PRIu64 " leaves %" PRIu64
+                           " bytes after tensor '%s' (expected %" PRIu64 ": tensors are stored "
+                           "back to back, each padded to the alignment %" PRIu64 "; a wrong type "
+                           "or shape of '%s'?)", q, t->offset, t->offset - expected, qp, expected,
+                           f->alignment, qp);
+        }
+        expected = t->offset + t->nbytes;
+        expected += (f->alignment - expected % f->alignment) % f->alignment;
+    }
+    /* The last tensor may lack its padding, but no more bytes may follow it. */
+    const uint64_t end = f->data_offset + expected;
+    if (f->n_tensors > 0 && (uint64_t)f->size > end) {
+        const gguf_tensor *p = &f->tensors[f->n_tensors - 1];
+        return qc_fail(err, QC_ERR_GGUF, "the data section holds %" PRIu64 " bytes more than the "
+                       "%" PRIu64 " tensors of the table describe (file size %zu, data ends at %"
+                       PRIu64 " after tensor '%s'): a tensor missing from the table, a wrong "
+                       "general.alignment or a wrong size of the last tensor", (uint64_t)f->size - end,
+                       f->n_tensors, f->size, end, quote(qp, p->name, strlen(p->name)));
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* the whole file                                                                               */
 
 static int parse(gguf_impl *g, qc_error *err) {
@@ -505,7 +556,7 @@ static int parse(gguf_impl *g, qc_error *err) {
         }
         t->data = (const uint8_t *)f->map + begin;
     }
-    return 0;
+    return check_layout(f, err);
 }
 
 static gguf_impl *impl_new(qc_error *err) {

@@ -12,6 +12,9 @@
 
 /* Metadata defaults, as llama.cpp applies them for qwen2 files that lack the key. */
 #define QC_DEFAULT_ROPE_THETA 10000.0f
+/* The range of rope.freq_base accepted as a real model's (see qc_config_from_gguf). */
+#define QC_MIN_ROPE_THETA 1.0f
+#define QC_MAX_ROPE_THETA 1e9f
 
 /* ---------------------------------------------------------------------------------------- */
 /* config */
@@ -31,10 +34,20 @@ int qc_config_from_gguf(const gguf_file *f, qc_config *cfg, qc_error *err) {
     gguf_str arch;
     memset(cfg, 0, sizeof *cfg);
     if (gguf_get_str(f, "general.architecture", &arch, err) < 0) return -1;
-    if (arch.len != 5 || memcmp(arch.ptr, "qwen2", 5) != 0)
+    if (arch.len != 5 || memcmp(arch.ptr, "qwen2", 5) != 0) {
+        /* The name comes from the file: printable ASCII as is, other bytes as \xNN. */
+        char q[64 * 4 + 4];
+        size_t o = 0;
+        for (uint64_t i = 0; i < arch.len && i < 64; i++) {
+            const unsigned char ch = (unsigned char)arch.ptr[i];
+            if (ch >= 0x20 && ch < 0x7f && ch != '\\') q[o++] = (char)ch;
+            else o += (size_t)snprintf(q + o, sizeof q - o, "\\x%02x", ch);
+        }
+        q[o] = '\0';
         return qc_fail(err, QC_ERR_MODEL,
-                       "architecture '%.*s' is not supported: qwencuda runs qwen2 (Qwen2, Qwen2.5)",
-                       (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
+                       "architecture '%s'%s is not supported: qwencuda runs qwen2 (Qwen2, Qwen2.5)",
+                       q, arch.len > 64 ? "..." : "");
+    }
     memcpy(cfg->arch, "qwen2", 6);
 
     if (get_dim(f, "qwen2", "embedding_length", &cfg->dim, err) < 0 ||
@@ -50,7 +63,8 @@ int qc_config_from_gguf(const gguf_file *f, qc_config *cfg, qc_error *err) {
     } else {
         cfg->n_head_kv = cfg->n_head;
     }
-    /* rope.freq_base absent: 10000, llama.cpp's default (Qwen2 files always carry 1e6). */
+    /* rope.freq_base absent: 10000, llama.cpp's default (Qwen2 files always carry 1e6); the
+     * binding warns about it (py_model.c), since a Qwen2 file without it is most likely cut. */
     cfg->rope_theta = QC_DEFAULT_ROPE_THETA;
     if (gguf_find_kv(f, "qwen2.rope.freq_base") &&
         gguf_get_f32(f, "qwen2.rope.freq_base", &cfg->rope_theta, err) < 0)
@@ -59,8 +73,13 @@ int qc_config_from_gguf(const gguf_file *f, qc_config *cfg, qc_error *err) {
     if (!(cfg->norm_eps > 0.0f) || cfg->norm_eps > 1.0f)
         return qc_fail(err, QC_ERR_MODEL, "qwen2.attention.layer_norm_rms_epsilon = %g: expected in (0, 1]",
                        (double)cfg->norm_eps);
-    if (!(cfg->rope_theta > 0.0f))
-        return qc_fail(err, QC_ERR_MODEL, "qwen2.rope.freq_base = %g: expected > 0", (double)cfg->rope_theta);
+    /* RoPE bases in use run from 1e4 (LLaMA) to 1e6 (Qwen2) and 1e7 (long-context variants);
+     * below 1 the "frequencies" grow with the pair index, far above 1e9 every pair of a
+     * 64-wide head turns by less than 1e-4 rad per token: such a value is a corrupted file. */
+    if (!(cfg->rope_theta >= QC_MIN_ROPE_THETA && cfg->rope_theta <= QC_MAX_ROPE_THETA))
+        return qc_fail(err, QC_ERR_MODEL, "qwen2.rope.freq_base = %g: expected a RoPE base in "
+                       "[%g, %g] (Qwen2 uses 1e6)", (double)cfg->rope_theta,
+                       (double)QC_MIN_ROPE_THETA, (double)QC_MAX_ROPE_THETA);
     if (cfg->dim % cfg->n_head != 0)
         return qc_fail(err, QC_ERR_MODEL, "embedding_length %lld is not a multiple of head_count %lld",
                        (long long)cfg->dim, (long long)cfg->n_head);
@@ -130,11 +149,22 @@ static int find_checked(const gguf_file *f, const char *name, int ndim, int64_t 
     return 0;
 }
 
-/* Every tensor the forward pass reads, checked before any allocation. */
+/* Every tensor the forward pass reads, checked before any allocation; and no layer tensor
+ * beyond block_count (a lowered block_count would otherwise run fewer layers silently). */
 static int check_tensors(const gguf_file *f, const qc_config *c, qc_error *err) {
     const gguf_tensor *t;
     char name[96];
     const int64_t q_dim = c->n_head * c->head_dim, kv_dim = c->n_head_kv * c->head_dim;
+    for (uint64_t i = 0; i < f->n_tensors; i++) {
+        const char *nm = f->tensors[i].name;
+        if (strncmp(nm, "blk.", 4) != 0) continue;
+        char *end = NULL;
+        const long long layer = strtoll(nm + 4, &end, 10);
+        if (end != nm + 4 && *end == '.' && layer >= c->n_layer)
+            return qc_fail(err, QC_ERR_MODEL, "%.80s: layer %lld is beyond qwen2.block_count = "
+                           "%lld (the file holds more layers than its metadata says)", nm, layer,
+                           (long long)c->n_layer);
+    }
     if (find_checked(f, "token_embd.weight", 2, c->n_vocab, c->dim, &t, err) < 0 ||
         find_checked(f, "output_norm.weight", 1, c->dim, 0, &t, err) < 0)
         return -1;

@@ -4,6 +4,7 @@
 #include "py_common.h"
 
 #include "backend.h"
+#include "cpu/cpu_simd.h"
 
 PyObject *qc_GGUFError = NULL;
 PyObject *qc_ModelError = NULL;
@@ -20,7 +21,15 @@ PyObject *qc_py_raise(const qc_error *err) {
     case QC_ERR_RANGE: type = PyExc_ValueError; break;
     default: type = PyExc_ValueError; break;
     }
-    PyErr_SetString(type, err->msg[0] ? err->msg : "qwencuda: unknown error");
+    /* Messages quote names and values from files; a byte that is not UTF-8 (or a sequence
+     * cut by the message's length limit) must not turn the error into a UnicodeDecodeError. */
+    const char *text = err->msg[0] ? err->msg : "qwencuda: unknown error";
+    PyObject *msg = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strnlen(text, sizeof err->msg),
+                                         "backslashreplace");
+    if (msg != NULL) {
+        PyErr_SetObject(type, msg);
+        Py_DECREF(msg);
+    }
     return NULL;
 }
 
@@ -40,14 +49,17 @@ static PyObject *build_info(PyObject *self, PyObject *noargs) {
 #else
     const char *cc = "unknown";
 #endif
-    return Py_BuildValue("{s:O,s:s,s:s,s:s,s:i}",
+    /* cpu_kernels: what device="cpu" runs here, chosen at run time from cpuid (cpu_simd.h) */
+    return Py_BuildValue("{s:O,s:s,s:s,s:s,s:i,s:s}",
                          "cuda", cuda, "cuda_archs", archs, "cuda_version", cuda_version,
-                         "c_compiler", cc, "cuda_devices", qc_cuda_device_count());
+                         "c_compiler", cc, "cuda_devices", qc_cuda_device_count(),
+                         "cpu_kernels", qc_simd_describe());
 }
 
 static PyMethodDef module_methods[] = {
     {"build_info", build_info, METH_NOARGS,
-     "build_info() -> dict: whether CUDA was built, its architectures, compiler and CUDA versions."},
+     "build_info() -> dict: whether CUDA was built, its architectures, compiler and CUDA versions, "
+     "and the CPU kernels device='cpu' runs (cpu_kernels)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -399,6 +399,12 @@ static PyObject *Model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->device = be->device ? PyUnicode_FromFormat("%s:%d", be->name, be->device)
                               : PyUnicode_FromString(be->name);
     if (self->path == NULL || self->device == NULL) goto fail;
+    /* llama.cpp also loads such a file (with RoPE base 10000): warn rather than refuse. */
+    if (gguf_find_kv(self->m->file, "qwen2.rope.freq_base") == NULL &&
+        PyErr_WarnFormat(PyExc_UserWarning, 1, "%U: qwen2.rope.freq_base is missing: using RoPE "
+                         "base %d (llama.cpp's default; Qwen2 files carry 1000000)", self->path,
+                         (int)self->m->cfg.rope_theta) < 0)
+        goto fail;
     Py_DECREF(path_bytes);
     return (PyObject *)self;
 fail:

@@ -408,9 +408,48 @@ static inline float group_sum(const float t[QC_GROUP]) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* data at any address                                                                        */
+
+/* GGUF allows general.alignment 1 or 2, and the rows of a Q6_K matrix are 210-byte multiples:
+ * stored data can sit at any address. The dequantize functions read block structs, uint16
+ * halves and floats in place, which is undefined behaviour (and a fault on some CPUs) at an
+ * address that is not a multiple of their alignment. Such data goes through an aligned copy,
+ * QC_DOT_CHUNK elements at a time: the same bytes, hence the same results bit for bit; data
+ * at a proper address (every file written with the default alignment 32) reads in place. */
+QC_STATIC_ASSERT(_Alignof(qc_block_q4_0) <= 2 && _Alignof(qc_block_q4_1) <= 2 &&
+                 _Alignof(qc_block_q5_0) <= 2 && _Alignof(qc_block_q5_1) <= 2 &&
+                 _Alignof(qc_block_q8_0) <= 2 && _Alignof(qc_block_q2_K) <= 2 &&
+                 _Alignof(qc_block_q3_K) <= 2 && _Alignof(qc_block_q4_K) <= 2 &&
+                 _Alignof(qc_block_q5_K) <= 2 && _Alignof(qc_block_q6_K) <= 2,
+                 "every supported block's widest member is a half: src_aligned checks 2 bytes");
+
+/* Whether the dequantize function of tr may read src in place. */
+static inline int src_aligned(const qc_type_traits *tr, const void *src) {
+    const uintptr_t align = tr->dequantize == deq_f32 ? _Alignof(float) : _Alignof(qc_half);
+    return (uintptr_t)src % align == 0;
+}
+
+/* tr->dequantize for src at any address; n a multiple of the block size. */
+static void dequantize_any(const qc_type_traits *tr, const void *src, float *dst, int64_t n) {
+    if (src_aligned(tr, src)) {
+        tr->dequantize(src, dst, n);
+        return;
+    }
+    _Alignas(16) uint8_t tmp[QC_DOT_CHUNK * sizeof(float)];   /* F32 is the widest per element */
+    const uint8_t *s = src;
+    for (int64_t i = 0; i < n; i += QC_DOT_CHUNK) {
+        const int64_t m = n - i < QC_DOT_CHUNK ? n - i : QC_DOT_CHUNK;
+        const size_t bytes = (size_t)(m / tr->block_size * tr->type_size);
+        memcpy(tmp, s, bytes);
+        tr->dequantize(tmp, dst + i, m);
+        s += bytes;
+    }
+}
+
 static float dot_row(const qc_type_traits *tr, const void *row, const float *x, int64_t n) {
     float tot[QC_GROUP] = {0};
-    if (tr->dequantize == deq_f32) {
+    if (tr->dequantize == deq_f32 && src_aligned(tr, row)) {
         /* software prefetch for the float row too (see QC_PREFETCH_BYTES) */
         const float *w = row;
         for (int64_t i = 0; i < n; i += QC_DOT_CHUNK) {
@@ -425,7 +464,7 @@ static float dot_row(const qc_type_traits *tr, const void *row, const float *x, 
     const size_t chunk_bytes = (size_t)(QC_DOT_CHUNK / tr->block_size * tr->type_size);
     for (int64_t i = 0; i < n; i += QC_DOT_CHUNK, src += chunk_bytes) {
         const int64_t m = n - i < QC_DOT_CHUNK ? n - i : QC_DOT_CHUNK;
-        tr->dequantize(src, buf, m);
+        dequantize_any(tr, src, buf, m);
         accumulate(tot, buf, x + i, m);
     }
     return group_sum(tot);
@@ -519,7 +558,7 @@ int qc_dequantize(uint32_t t, const void *src, float *dst, int64_t nrows, int64_
         return qc_fail(err, QC_ERR_VALUE, "dequantize: %lld x %lld elements overflow",
                        (long long)nrows, (long long)ncols);
     /* Rows are stored back to back without padding, so all rows are one run of blocks. */
-    if (total > 0) tr->dequantize(src, dst, (int64_t)total);
+    if (total > 0) dequantize_any(tr, src, dst, (int64_t)total);
     return 0;
 }
 

@@ -509,8 +509,41 @@ def test_empty_tensor_at_end_is_fine():
 def test_misaligned_offset():
     msg = gguf_error(one_tensor([4], offset=4))
     assert "tensor 'w'" in msg and "offset 4 is not a multiple of the alignment 32" in msg
-    assert parse(one_tensor([4], offset=4, alignment=4,
+    assert parse(one_tensor([4], offset=0, alignment=4, data=bytes(16),
                             kvs=[gb.kv("general.alignment", gb.UINT32, 4)]))["alignment"] == 4
+    # aligned but not where the table says the first tensor's data starts (llama.cpp's rule)
+    msg = gguf_error(one_tensor([4], offset=4, alignment=4, data=bytes(20),
+                                kvs=[gb.kv("general.alignment", gb.UINT32, 4)]))
+    assert msg == "tensor 'w': data offset 4, expected 0 (the first tensor's data starts the data section)"
+
+
+def test_tensor_data_is_back_to_back_in_table_order():
+    """llama.cpp's layout rule: an aliasing offset, a gap, a changed size or extra bytes at the
+    end is a damaged table, not a file to compute garbage from."""
+    Q8_0 = 8
+    two = lambda off_b, ne_a=(8,), ta=F32, data=bytes(64), kvs=(), alignment=32: gb.build(
+        list(kvs), [gb.tensor_info("a", list(ne_a), ta, 0), gb.tensor_info("b", [8], F32, off_b)],
+        data, alignment=alignment)
+    assert [t[0] for t in parse(two(32))["tensors"]] == ["a", "b"]
+    assert "tensor 'b': data offset 0 overlaps the data of tensor 'a' [0, 32) (expected 32" in gguf_error(two(0))
+    assert "tensor 'b': data offset 64 leaves 32 bytes after tensor 'a'" in gguf_error(two(64, data=bytes(96)))
+    # a's type changed F32 -> Q8_0 (34 bytes instead of 128): b no longer follows it
+    msg = gguf_error(two(128, ne_a=(32,), ta=Q8_0, data=bytes(160)))
+    assert "tensor 'b': data offset 128 leaves 64 bytes after tensor 'a'" in msg and "wrong type" in msg
+    # a table one tensor short: its data is left over
+    short = gb.build([], [gb.tensor_info("a", [8], F32, 0)], bytes(64))
+    assert "the data section holds 32 bytes more than the 1 tensors of the table describe" in gguf_error(short)
+    # general.alignment lowered without re-padding: the data section would start too early
+    kvs = [gb.kv("general.alignment", gb.UINT32, 32)]
+    good = two(32, kvs=kvs)
+    assert parse(good)["alignment"] == 32
+    header_end = len(two(32, kvs=kvs, data=b"", alignment=1))
+    assert header_end % 32 != 0    # so alignment 2 moves the data section's start
+    at = good.index(b"general.alignment") + len("general.alignment") + 4
+    bad = good[:at] + (2).to_bytes(4, "little") + good[at + 4:]
+    assert "bytes more than the 2 tensors of the table describe" in gguf_error(bad)
+    # the last tensor may lack its padding
+    assert len(parse(gb.build([], [gb.tensor_info("a", [4], F32, 0)], bytes(16)))["tensors"]) == 1
 
 
 @pytest.mark.parametrize("t,pattern", [(99, "unknown tensor type 99"), (2**32 - 1, "unknown tensor type 4294967295"),

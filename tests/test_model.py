@@ -112,6 +112,44 @@ def test_wrong_architecture_is_named():
         qc.Model(path, device="cpu")
 
 
+def test_architecture_that_is_not_utf8_is_a_model_error():
+    meta, weights = _tiny_parts()
+    meta = {k.replace("qwen2.", "qwenX."): v for k, v in meta.items()}
+    path = _write_gguf(_custom("arch-bytes.gguf"), arch="qwenX", meta=meta, tensors=weights)
+    with open(path, "r+b") as fh:
+        b = fh.read().replace(b"qwenX", b"qw\xffn\x80")
+        fh.seek(0)
+        fh.write(b)
+    with pytest.raises(qc.ModelError, match=r"architecture 'qw\\xffn\\x80' is not supported"):
+        qc.Model(path, device="cpu")
+
+
+def test_layers_beyond_block_count_are_named():
+    meta, weights = _tiny_parts()
+    meta["qwen2.block_count"] = ("uint32", 1)
+    path = _write_gguf(_custom("blocks1.gguf"), meta=meta, tensors=weights)
+    with pytest.raises(qc.ModelError, match=r"blk\.1\.\w+\.\w+: layer 1 is beyond qwen2\.block_count = 1"):
+        qc.Model(path, device="cpu")
+
+
+@pytest.mark.parametrize("theta", [float("inf"), float("nan"), 1e30, 1e-6, 0.0, -1.0])
+def test_implausible_rope_base_is_refused(theta):
+    meta, weights = _tiny_parts(theta=theta)
+    path = _write_gguf(_custom(f"theta{theta}.gguf"), meta=meta, tensors=weights)
+    with pytest.raises(qc.ModelError, match=r"qwen2\.rope\.freq_base = .*: expected a RoPE base in \[1, 1e\+09\]"):
+        qc.Model(path, device="cpu")
+
+
+def test_missing_rope_base_warns_and_uses_llamacpps_default():
+    meta, weights = _tiny_parts()
+    del meta["qwen2.rope.freq_base"]
+    path = _write_gguf(_custom("notheta.gguf"), meta=meta, tensors=weights)
+    with pytest.warns(UserWarning, match=r"qwen2\.rope\.freq_base is missing: using RoPE base 10000"):
+        m = qc.Model(path, device="cpu")
+    with m:
+        assert m.config.rope_theta == 10000.0
+
+
 def test_transposed_tensor_is_named_with_both_shapes():
     meta, weights = _tiny_parts()
     weights["blk.1.attn_k.weight"] = np.ascontiguousarray(weights["blk.1.attn_k.weight"].T)
