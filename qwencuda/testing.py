@@ -624,7 +624,7 @@ def _values(name: str, shape: tuple, cfg: dict, seed: int) -> np.ndarray:
     return x
 
 
-def write_model(path, config="tiny", weight_type="f32", seed=0, tied=None, vocab=None):
+def write_model(path, config="tiny", weight_type="f32", seed=0, tied=None, vocab=None, alignment=None):
     """Write a synthetic Qwen2 GGUF file and return its path.
 
     config: a name of CONFIGS or a dict of config keys (missing ones from "tiny").
@@ -636,6 +636,8 @@ def write_model(path, config="tiny", weight_type="f32", seed=0, tied=None, vocab
     vocab: None for make_vocab(n_vocab, seed), or a (tokens, token_types, merges, special_ids)
         tuple as make_vocab returns it (tokens must have n_vocab entries; special_ids needs
         "<|endoftext|>" and "<|im_end|>"), or False to write no tokenizer metadata.
+    alignment: None for GGUF's default 32, or a power of two written as general.alignment
+        (1 or 2 put tensor data at odd addresses: readers must not assume aligned blocks).
     """
     gguf = _gguf()
     cfg = resolve_config(config)
@@ -655,6 +657,8 @@ def write_model(path, config="tiny", weight_type="f32", seed=0, tied=None, vocab
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["norm_eps"])
     w.add_file_type(_FILE_TYPE[weight_type])
+    if alignment is not None:
+        w.add_custom_alignment(int(alignment))
     if vocab is not False:
         tokens, types, merges, special = make_vocab(cfg["n_vocab"], seed) if vocab is None else vocab
         if len(tokens) != cfg["n_vocab"] or len(types) != len(tokens):
