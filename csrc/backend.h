@@ -43,6 +43,21 @@ typedef struct qc_matmul_part {
     float *out;
 } qc_matmul_part;
 
+/* Element type of a KV cache: F32 keeps the rotated k and v exactly; F16 (the CUDA default)
+ * halves the memory and the bytes attention reads, and feeds the tensor-core flash kernels. */
+typedef enum { QC_KV_F32 = 0, QC_KV_F16 = 1 } qc_kv_type;
+
+/* One layer's KV cache: k (after RoPE) and v, each [max_ctx][n_head_kv * head_dim] of `type`,
+ * in backend memory. */
+typedef struct qc_kv_cache {
+    void *k;
+    void *v;
+    int type;                 /* qc_kv_type */
+} qc_kv_cache;
+
+/* Bytes of one cache element. */
+static inline size_t qc_kv_type_size(int type) { return type == QC_KV_F16 ? 2 : 4; }
+
 /* Most projections one matmul_multi call computes (q, k and v). */
 #define QC_MATMUL_MULTI_MAX 3
 
@@ -75,17 +90,20 @@ typedef struct qc_backend_ops {
      * (i, i + head_dim/2) of token t is rotated by pos[t] * theta^(-2i/head_dim). */
     int (*rope)(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
                 float theta);
-    /* k_cache[pos[t]][:] = k[t][:], likewise v; caches are [max_ctx][kv_dim]. */
+    /* cache.k[pos[t]][:] = k[t][:], likewise v, converted to cache.type; rows are kv_dim wide. */
     int (*kv_store)(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
-                    int kv_dim, float *k_cache, float *v_cache);
+                    int kv_dim, qc_kv_cache cache);
     /* Causal GQA attention over the cache: query t (head h) attends keys 0..pos[t] of KV head
      * h / (n_head / n_head_kv), scale 1/sqrt(head_dim). q is [n][n_head][head_dim], out is
      * [n][n_head * head_dim]. n_kv = pos[n-1] + 1 (the host knows it). scores and probs, when
      * not NULL, receive [n_head][n][n_kv]: scaled scores with -inf where masked, and the
-     * softmax (0 where masked). */
-    int (*attention)(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
-                     const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
-                     int head_dim, float *out, float *scores, float *probs);
+     * softmax (0 where masked); they are computed in fp32 from the cache's values (the exact
+     * path). Without them, CUDA runs flash attention on tensor cores over an F16 cache (q and
+     * the probabilities rounded to f16, fp32 accumulation); an F32 cache, and the CPU, keep the
+     * exact path. */
+    int (*attention)(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
+                     int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
+                     float *probs);
     /* out = silu(gate) * up, elementwise over count values. */
     int (*swiglu)(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
     /* out = a + b, elementwise (out may alias a or b). */
@@ -123,7 +141,7 @@ typedef struct qc_backend_ops {
      * kv_store of the rotated k and of v[n][n_head_kv * head_dim] into the caches at pos[t]. */
     int (*rope_kv_store)(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                          int n, int n_head, int n_head_kv, int head_dim, float theta,
-                         float *k_cache, float *v_cache);
+                         qc_kv_cache cache);
 
     /* ---- optional (NULL where unsupported): record a sequence of ops once, replay it ----
      * Between record_begin and record_end the ops are recorded, not run; replay runs the

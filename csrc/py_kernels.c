@@ -197,6 +197,28 @@ static int weight_arg_parse(PyObject *tuple, weight_arg *wa) {
     return 0;
 }
 
+/* A KV cache argument: a float16 array stays float16 (an F16 cache), anything else becomes a
+ * C-contiguous float32 array (F32). *kv_type receives which. */
+static PyArrayObject *as_cache(PyObject *obj, const char *what, int *kv_type) {
+    const int half = PyArray_Check(obj) && PyArray_TYPE((PyArrayObject *)obj) == NPY_FLOAT16;
+    *kv_type = half ? QC_KV_F16 : QC_KV_F32;
+    if (!half) return as_array(obj, NPY_FLOAT32, 2, what);
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROM_OTF(obj, NPY_FLOAT16, NPY_ARRAY_IN_ARRAY);
+    if (a != NULL && PyArray_NDIM(a) != 2) {
+        PyErr_Format(PyExc_ValueError, "%s: expected 2 dimensions, got shape with %d", what, PyArray_NDIM(a));
+        Py_DECREF(a);
+        return NULL;
+    }
+    return a;
+}
+
+/* The two caches of one call must share their type. */
+static int caches_agree(int k_type, int v_type, const char *op) {
+    if (k_type == v_type) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: k_cache and v_cache must both be float16 or both float32", op);
+    return -1;
+}
+
 static PyArrayObject *new_array(int typenum, int ndim, const npy_intp *shape) {
     return (PyArrayObject *)PyArray_SimpleNew(ndim, (npy_intp *)shape, typenum);
 }
@@ -251,6 +273,7 @@ struct kernel_job {
     job_op op;
     int empty;                      /* nothing to compute (zero tokens): skip the backend */
     int i0, i1, i2, i3, i4;         /* op parameters */
+    int kv_type;                    /* the caches' qc_kv_type (kv_store, rope_kv_store, attention) */
     int64_t count;
     float f0;
     double seconds;                 /* time_matmul: seconds per call */
@@ -777,10 +800,16 @@ static int check_positions(PyArrayObject *pos, npy_intp limit, const char *what)
     return 0;
 }
 
+/* The caches of a job: inputs k_index and v_index, of type j->kv_type. */
+static qc_kv_cache job_cache(const kernel_job *j, int k_index, int v_index) {
+    qc_kv_cache cache = {j->d_in[k_index], j->d_in[v_index], j->kv_type};
+    return cache;
+}
+
 static int op_kv_store(qc_backend *be, kernel_job *j) {
     if (j->i0 == 0 || j->i1 == 0) return 0;
     return be->ops->kv_store(be, (const float *)j->d_in[0], (const float *)j->d_in[1], (const int32_t *)j->d_in[2],
-                             j->i0, j->i1, (float *)j->d_in[3], (float *)j->d_in[4]);
+                             j->i0, j->i1, job_cache(j, 3, 4));
 }
 
 static PyObject *kernel_kv_store(PyObject *self, PyObject *args) {
@@ -790,13 +819,15 @@ static PyObject *kernel_kv_store(PyObject *self, PyObject *args) {
     PyArrayObject *k = NULL, *v = NULL, *pos = NULL, *kc = NULL, *vc = NULL, *kc_out = NULL, *vc_out = NULL;
     kernel_job j = {0};
     cached_backend *c;
+    int v_type = 0;
     if (!PyArg_ParseTuple(args, "sOOOOO", &device, &kobj, &vobj, &pobj, &kcobj, &vcobj)) return NULL;
     if ((c = get_backend(device)) == NULL) return NULL;
     if ((k = as_array(kobj, NPY_FLOAT32, 2, "kv_store k")) == NULL ||
         (v = as_array(vobj, NPY_FLOAT32, 2, "kv_store v")) == NULL ||
         (pos = as_array(pobj, NPY_INT32, 1, "kv_store positions")) == NULL ||
-        (kc = as_array(kcobj, NPY_FLOAT32, 2, "kv_store k_cache")) == NULL ||
-        (vc = as_array(vcobj, NPY_FLOAT32, 2, "kv_store v_cache")) == NULL)
+        (kc = as_cache(kcobj, "kv_store k_cache", &j.kv_type)) == NULL ||
+        (vc = as_cache(vcobj, "kv_store v_cache", &v_type)) == NULL ||
+        caches_agree(j.kv_type, v_type, "kv_store") < 0)
         goto fail;
     if (!PyArray_SAMESHAPE(k, v) || !PyArray_SAMESHAPE(kc, vc) || PyArray_DIM(k, 1) != PyArray_DIM(kc, 1) ||
         PyArray_DIM(pos, 0) != PyArray_DIM(k, 0)) {
@@ -809,8 +840,8 @@ static PyObject *kernel_kv_store(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "kv_store: k is too large");
         goto fail;
     }
-    if ((kc_out = new_array(NPY_FLOAT32, 2, PyArray_DIMS(kc))) == NULL ||
-        (vc_out = new_array(NPY_FLOAT32, 2, PyArray_DIMS(vc))) == NULL)
+    if ((kc_out = new_array(PyArray_TYPE(kc), 2, PyArray_DIMS(kc))) == NULL ||
+        (vc_out = new_array(PyArray_TYPE(vc), 2, PyArray_DIMS(vc))) == NULL)
         goto fail;
     j.op = op_kv_store;
     j.i0 = (int)PyArray_DIM(k, 0);
@@ -846,7 +877,7 @@ static int op_rope_kv_store(qc_backend *be, kernel_job *j) {
      * i0 n, i1 n_head, i2 n_head_kv, i3 head_dim, f0 theta */
     return be->ops->rope_kv_store(be, (float *)j->d_in[0], (float *)j->d_in[1], (const float *)j->d_in[2],
                                   (const int32_t *)j->d_in[3], j->i0, j->i1, j->i2, j->i3, j->f0,
-                                  (float *)j->d_in[4], (float *)j->d_in[5]);
+                                  job_cache(j, 4, 5));
 }
 
 static PyObject *kernel_rope_kv_store(PyObject *self, PyObject *args) {
@@ -857,6 +888,7 @@ static PyObject *kernel_rope_kv_store(PyObject *self, PyObject *args) {
     PyArrayObject *in[6] = {NULL}, *out[4] = {NULL};
     kernel_job j = {0};
     cached_backend *c;
+    int v_type = 0;
     if (!PyArg_ParseTuple(args, "sOOOOOOf", &device, &qobj, &kobj, &vobj, &pobj, &kcobj, &vcobj, &theta))
         return NULL;
     if ((c = get_backend(device)) == NULL) return NULL;
@@ -865,8 +897,9 @@ static PyObject *kernel_rope_kv_store(PyObject *self, PyObject *args) {
         (*k = as_array(kobj, NPY_FLOAT32, 3, "rope_kv_store k (n, n_head_kv, head_dim)")) == NULL ||
         (*v = as_array(vobj, NPY_FLOAT32, 3, "rope_kv_store v (n, n_head_kv, head_dim)")) == NULL ||
         (*pos = as_array(pobj, NPY_INT32, 1, "rope_kv_store positions")) == NULL ||
-        (*kc = as_array(kcobj, NPY_FLOAT32, 2, "rope_kv_store k_cache")) == NULL ||
-        (*vc = as_array(vcobj, NPY_FLOAT32, 2, "rope_kv_store v_cache")) == NULL)
+        (*kc = as_cache(kcobj, "rope_kv_store k_cache", &j.kv_type)) == NULL ||
+        (*vc = as_cache(vcobj, "rope_kv_store v_cache", &v_type)) == NULL ||
+        caches_agree(j.kv_type, v_type, "rope_kv_store") < 0)
         goto fail;
     const npy_intp n = PyArray_DIM(*q, 0), n_head = PyArray_DIM(*q, 1), hd = PyArray_DIM(*q, 2);
     const npy_intp n_head_kv = PyArray_DIM(*k, 1);
@@ -885,8 +918,8 @@ static PyObject *kernel_rope_kv_store(PyObject *self, PyObject *args) {
     if (check_positions(*pos, PyArray_DIM(*kc, 0), "rope_kv_store") < 0) goto fail;
     if ((out[0] = new_array(NPY_FLOAT32, 3, PyArray_DIMS(*q))) == NULL ||
         (out[1] = new_array(NPY_FLOAT32, 3, PyArray_DIMS(*k))) == NULL ||
-        (out[2] = new_array(NPY_FLOAT32, 2, PyArray_DIMS(*kc))) == NULL ||
-        (out[3] = new_array(NPY_FLOAT32, 2, PyArray_DIMS(*vc))) == NULL)
+        (out[2] = new_array(PyArray_TYPE(*kc), 2, PyArray_DIMS(*kc))) == NULL ||
+        (out[3] = new_array(PyArray_TYPE(*vc), 2, PyArray_DIMS(*vc))) == NULL)
         goto fail;
     j.op = op_rope_kv_store;
     j.i0 = (int)n;
@@ -913,9 +946,8 @@ static int op_attention(qc_backend *be, kernel_job *j) {
     /* i0 n, i1 n_kv, i2 n_head, i3 n_head_kv, i4 head_dim; outputs out[, scores, probs] */
     float *scores = j->n_out > 1 ? (float *)j->d_out[1] : NULL;
     float *probs = j->n_out > 2 ? (float *)j->d_out[2] : NULL;
-    return be->ops->attention(be, (const float *)j->d_in[0], (const float *)j->d_in[1], (const float *)j->d_in[2],
-                              (const int32_t *)j->d_in[3], j->i0, j->i1, j->i2, j->i3, j->i4,
-                              (float *)j->d_out[0], scores, probs);
+    return be->ops->attention(be, (const float *)j->d_in[0], job_cache(j, 1, 2), (const int32_t *)j->d_in[3],
+                              j->i0, j->i1, j->i2, j->i3, j->i4, (float *)j->d_out[0], scores, probs);
 }
 
 static PyObject *kernel_attention(PyObject *self, PyObject *args) {
@@ -927,12 +959,14 @@ static PyObject *kernel_attention(PyObject *self, PyObject *args) {
     kernel_job j = {0};
     cached_backend *c;
     npy_intp n, n_head, hd;
+    int v_type = 0;
     if (!PyArg_ParseTuple(args, "sOOOOiip", &device, &qobj, &kcobj, &vcobj, &pobj, &n_kv, &n_head_kv, &want_scores))
         return NULL;
     if ((c = get_backend(device)) == NULL) return NULL;
     if ((q = as_array(qobj, NPY_FLOAT32, 3, "attention q (tokens, n_head, head_dim)")) == NULL ||
-        (kc = as_array(kcobj, NPY_FLOAT32, 2, "attention k_cache (max_ctx, n_head_kv * head_dim)")) == NULL ||
-        (vc = as_array(vcobj, NPY_FLOAT32, 2, "attention v_cache")) == NULL ||
+        (kc = as_cache(kcobj, "attention k_cache (max_ctx, n_head_kv * head_dim)", &j.kv_type)) == NULL ||
+        (vc = as_cache(vcobj, "attention v_cache", &v_type)) == NULL ||
+        caches_agree(j.kv_type, v_type, "attention") < 0 ||
         (pos = as_array(pobj, NPY_INT32, 1, "attention positions")) == NULL)
         goto fail;
     n = PyArray_DIM(q, 0);

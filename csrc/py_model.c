@@ -115,8 +115,8 @@ static PyObject *capture_array(qc_tensor_out *t) {
     return arr;
 }
 
-/* ids: a 1-D sequence of ints -> malloc'd int32, each checked against n_vocab. */
-static int32_t *ids_from(PyObject *obj, int64_t n_vocab, int position, int *n_out) {
+/* ids: a 1-D sequence of ints -> malloc'd int32 (the session checks their range). */
+static int32_t *ids_from(PyObject *obj, int *n_out) {
     PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(obj, NPY_INT64, 0, 1, NPY_ARRAY_IN_ARRAY);
     int32_t *ids = NULL;
     if (a == NULL) return NULL;
@@ -130,19 +130,14 @@ static int32_t *ids_from(PyObject *obj, int64_t n_vocab, int position, int *n_ou
         PyErr_SetString(PyExc_ValueError, "too many ids");
         goto done;
     }
-    for (npy_intp i = 0; i < n; i++) {
-        if (v[i] < 0 || v[i] >= n_vocab) {
-            PyErr_Format(PyExc_ValueError, "token id %lld at ids[%lld] (position %lld) is out of range [0, %lld)",
-                         (long long)v[i], (long long)i, (long long)position + (long long)i, (long long)n_vocab);
-            goto done;
-        }
-    }
     ids = malloc((size_t)n * sizeof *ids);
     if (ids == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (npy_intp i = 0; i < n; i++) ids[i] = (int32_t)v[i];
+    /* out-of-range ids are the session's to report (qc_session_check); saturate so that an id
+     * beyond int32 stays out of range instead of wrapping into it */
+    for (npy_intp i = 0; i < n; i++) ids[i] = v[i] < INT32_MIN ? INT32_MIN : v[i] > INT32_MAX ? INT32_MAX : (int32_t)v[i];
     *n_out = (int)n;
 done:
     Py_DECREF(a);
@@ -180,24 +175,52 @@ static int patterns_from(PyObject *capture, PyObject **seq, const char ***pats, 
     return 0;
 }
 
-/* eval(ids, logits="last", capture=None, sampler=None)
+/* attn_rows: None or a 1-D sequence of query rows -> malloc'd int32 (checked by the session). */
+static int rows_from(PyObject *obj, int32_t **rows, int *n) {
+    *rows = NULL;
+    *n = 0;
+    if (obj == Py_None) return 0;
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(obj, NPY_INT64, 0, 1, NPY_ARRAY_IN_ARRAY);
+    if (a == NULL) return -1;
+    const npy_intp k = PyArray_SIZE(a);
+    const int64_t *v = (const int64_t *)PyArray_DATA(a);
+    int rc = -1;
+    if (k > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "attn_rows: too many rows");
+        goto done;
+    }
+    if ((*rows = malloc((size_t)(k ? k : 1) * sizeof **rows)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (npy_intp i = 0; i < k; i++) (*rows)[i] = v[i] < INT32_MIN ? INT32_MIN : v[i] > INT32_MAX ? INT32_MAX : (int32_t)v[i];
+    *n = (int)k;
+    rc = 0;
+done:
+    Py_DECREF(a);
+    return rc;
+}
+
+/* eval(ids, logits="last", capture=None, sampler=None, attn_rows=None)
  *   -> (start, logits | None, argmax | None, {name: array}, token | None)
  * logits: "all" (a row per token), "last" (one row) or None (none downloaded; no lm_head at all
- * unless a sampler draws). sampler: a Sampler whose draw from the last row runs on the backend. */
+ * unless a sampler draws). sampler: a Sampler whose draw from the last row runs on the backend.
+ * attn_rows: the query rows (0 .. n-1, increasing) whose attn_scores / attn_probs are captured. */
 static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"ids", "logits", "capture", "sampler", NULL};
+    static char *kwlist[] = {"ids", "logits", "capture", "sampler", "attn_rows", NULL};
     PyObject *ids_obj = NULL, *logits_obj = Py_None, *capture = Py_None, *sampler_obj = Py_None;
+    PyObject *rows_obj = Py_None;
     qc_sampler *sampler = NULL;
     qc_sample_state *sample = NULL;
-    qc_sample_result drawn = {0, -1, 0};
     PyObject *seq = NULL, *logits = NULL, *argmax = NULL, *tensors = NULL, *result = NULL;
     const char **pats = NULL;
-    int32_t *ids = NULL;
-    int n = 0, n_pats = 0, all_logits = 0, want_logits = 1, rc, start;
-    qc_capture cap = {0};
+    int32_t *ids = NULL, *attn_rows = NULL;
+    int n = 0, n_pats = 0, n_rows = 0, all_logits = 0, want_logits = 1, rc, start;
+    qc_eval_result res = {0};
     qc_error err = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO:eval", kwlist, &ids_obj, &logits_obj, &capture,
-                                     &sampler_obj))
+    res.drawn.token = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOO:eval", kwlist, &ids_obj, &logits_obj, &capture,
+                                     &sampler_obj, &rows_obj))
         return NULL;
     if (!session_usable(so)) return NULL;
     const qc_config *cfg = &so->model->m->cfg;
@@ -218,8 +241,9 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
         return NULL;
     }
     start = qc_session_position(so->s);
-    if ((ids = ids_from(ids_obj, cfg->n_vocab, start, &n)) == NULL) goto fail;
+    if ((ids = ids_from(ids_obj, &n)) == NULL) goto fail;
     if (patterns_from(capture, &seq, &pats, &n_pats) < 0) goto fail;
+    if (rows_from(rows_obj, &attn_rows, &n_rows) < 0) goto fail;
     if (sampler) {
         /* exported with the GIL held: the Sampler object is not touched while it is released */
         if ((sample = malloc(qc_sampler_state_bytes(sampler))) == NULL) {
@@ -228,24 +252,30 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
         }
         qc_sampler_export(sampler, sample);
     }
+    qc_capture_spec spec = {pats, n_pats};
+    qc_eval_request req = {ids, n, all_logits, want_logits, n_pats ? &spec : NULL, attn_rows, n_rows, sample};
+    ModelObject *mo = so->model;
+    qc_session *s = so->s;
+    /* the budget and every argument before the logits are allocated (a refused eval allocates
+     * nothing); the eval checks again under the lock */
+    if (qc_session_check(s, &req, &err) < 0) {
+        qc_py_raise(&err);
+        goto fail;
+    }
     if (want_logits) {
         npy_intp ldims[2] = {all_logits ? n : 1, (npy_intp)cfg->n_vocab};
         logits = PyArray_SimpleNew(2, ldims, NPY_FLOAT32);
         argmax = PyArray_SimpleNew(1, ldims, NPY_INT32);
         if (logits == NULL || argmax == NULL) goto fail;
+        res.logits = (float *)PyArray_DATA((PyArrayObject *)logits);
+        res.argmax = (int32_t *)PyArray_DATA((PyArrayObject *)argmax);
     }
-    qc_capture_spec spec = {pats, n_pats};
-    float *lp = logits ? (float *)PyArray_DATA((PyArrayObject *)logits) : NULL;
-    int32_t *ap = argmax ? (int32_t *)PyArray_DATA((PyArrayObject *)argmax) : NULL;
-    ModelObject *mo = so->model;
-    qc_session *s = so->s;
     so->busy++;
     mo->busy++;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(mo->lock, WAIT_LOCK);
     start = qc_session_position(s);   /* under the lock: another thread may have advanced it */
-    rc = qc_session_eval(s, ids, n, all_logits, n_pats ? &spec : NULL, n_pats ? &cap : NULL, lp, ap,
-                         sample, &drawn, &err);
+    rc = qc_session_eval(s, &req, &res, &err);
     PyThread_release_lock(mo->lock);
     Py_END_ALLOW_THREADS
     so->busy--;
@@ -254,25 +284,26 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
         qc_py_raise(&err);
         goto fail;
     }
-    if (sampler) qc_sampler_set_rng(sampler, drawn.rng);
+    if (sampler) qc_sampler_set_rng(sampler, res.drawn.rng);
     if ((tensors = PyDict_New()) == NULL) goto fail;
-    for (int i = 0; i < cap.n; i++) {
-        PyObject *arr = capture_array(&cap.items[i]);
+    for (int i = 0; i < res.capture.n; i++) {
+        PyObject *arr = capture_array(&res.capture.items[i]);
         if (arr == NULL) goto fail;
-        rc = PyDict_SetItemString(tensors, cap.items[i].name, arr);
+        rc = PyDict_SetItemString(tensors, res.capture.items[i].name, arr);
         Py_DECREF(arr);
         if (rc < 0) goto fail;
     }
     if (sampler)
         result = Py_BuildValue("(iOOOi)", start, logits ? logits : Py_None, argmax ? argmax : Py_None,
-                               tensors, (int)drawn.token);
+                               tensors, (int)res.drawn.token);
     else
         result = Py_BuildValue("(iOOOO)", start, logits ? logits : Py_None, argmax ? argmax : Py_None,
                                tensors, Py_None);
 fail:
     free(sample);
-    qc_capture_free(&cap);
+    qc_capture_free(&res.capture);
     free(ids);
+    free(attn_rows);
     free(pats);
     Py_XDECREF(seq);
     Py_XDECREF(logits);
@@ -327,6 +358,70 @@ static PyObject *Session_get_max_context(SessionObject *so, void *closure) {
     return PyLong_FromLong(qc_session_max_context(so->s));
 }
 
+static PyObject *Session_get_kv_type(SessionObject *so, void *closure) {
+    (void)closure;
+    if (!session_usable(so)) return NULL;
+    return PyUnicode_FromString(qc_session_kv_type(so->s) == QC_KV_F16 ? "f16" : "f32");
+}
+
+static PyObject *Session_get_chunk(SessionObject *so, void *closure) {
+    (void)closure;
+    if (!session_usable(so)) return NULL;
+    return PyLong_FromLong(qc_session_chunk(so->s));
+}
+
+static int Session_set_chunk(SessionObject *so, PyObject *value, void *closure) {
+    (void)closure;
+    qc_error err = {0};
+    if (value == NULL || !PyLong_Check(value) || PyBool_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "prefill_chunk must be an int");
+        return -1;
+    }
+    long chunk = PyLong_AsLong(value);
+    if (chunk == -1 && PyErr_Occurred()) return -1;
+    if (!session_usable(so)) return -1;
+    if (chunk > INT32_MAX) chunk = INT32_MAX;
+    if (qc_session_set_chunk(so->s, chunk < INT32_MIN ? INT32_MIN : (int)chunk, &err) < 0) {
+        qc_py_raise(&err);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Session_get_budget(SessionObject *so, void *closure) {
+    (void)closure;
+    if (!session_usable(so)) return NULL;
+    return PyLong_FromSize_t(qc_session_capture_budget(so->s));
+}
+
+static int Session_set_budget(SessionObject *so, PyObject *value, void *closure) {
+    (void)closure;
+    size_t bytes = 0;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "capture_budget cannot be deleted (set None for the default)");
+        return -1;
+    }
+    if (value != Py_None) {
+        if (!PyLong_Check(value) || PyBool_Check(value)) {
+            PyErr_SetString(PyExc_TypeError, "capture_budget must be a number of bytes (int) or None");
+            return -1;
+        }
+        bytes = PyLong_AsSize_t(value);
+        if (bytes == (size_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "capture_budget must be a positive number of bytes");
+            return -1;
+        }
+        if (bytes == 0) {
+            PyErr_SetString(PyExc_ValueError, "capture_budget must be positive (None: the default)");
+            return -1;
+        }
+    }
+    if (!session_usable(so)) return -1;
+    qc_session_set_capture_budget(so->s, bytes);
+    return 0;
+}
+
 static PyObject *Session_get_closed(SessionObject *so, void *closure) {
     (void)closure;
     return PyBool_FromLong(so->s == NULL);
@@ -334,9 +429,10 @@ static PyObject *Session_get_closed(SessionObject *so, void *closure) {
 
 static PyMethodDef Session_methods[] = {
     {"eval", (PyCFunction)(void (*)(void))Session_eval, METH_VARARGS | METH_KEYWORDS,
-     "eval(ids, logits='last', capture=None, sampler=None) -> (start, logits, argmax, tensors, token): "
-     "run ids at the current position and advance it. logits 'all', 'last' or None; capture: glob "
-     "patterns; sampler: a Sampler that draws the next token on the backend (token, else None)."},
+     "eval(ids, logits='last', capture=None, sampler=None, attn_rows=None) -> (start, logits, argmax, "
+     "tensors, token): run ids at the current position and advance it. logits 'all', 'last' or None; "
+     "capture: glob patterns; sampler: a Sampler that draws the next token on the backend (token, else "
+     "None); attn_rows: query rows whose attention scores/probabilities are captured (None: all)."},
     {"reset", (PyCFunction)Session_reset, METH_NOARGS, "reset(): back to position 0."},
     {"rewind", (PyCFunction)Session_rewind, METH_O, "rewind(n): forget the last n tokens."},
     {"close", (PyCFunction)Session_close, METH_NOARGS, "close(): free the KV cache."},
@@ -347,6 +443,11 @@ static PyGetSetDef Session_getset[] = {
     {"position", (getter)Session_get_position, NULL, "tokens in the cache (the next position)", NULL},
     {"max_context", (getter)Session_get_max_context, NULL, "positions the KV cache holds", NULL},
     {"closed", (getter)Session_get_closed, NULL, "whether close() was called", NULL},
+    {"kv_type", (getter)Session_get_kv_type, NULL, "the KV cache's element type: 'f16' or 'f32'", NULL},
+    {"prefill_chunk", (getter)Session_get_chunk, (setter)Session_set_chunk,
+     "most tokens per forward pass: longer evals run in chunks of this many", NULL},
+    {"capture_budget", (getter)Session_get_budget, (setter)Session_set_budget,
+     "bytes of host memory one eval's captures and logits may take (set None: half of MemAvailable)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -452,15 +553,21 @@ static PyObject *Model_close(ModelObject *mo, PyObject *noargs) {
     Py_RETURN_NONE;
 }
 
+/* session(max_context, kv_type="f16" | "f32") */
 static PyObject *Model_session(ModelObject *mo, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"max_context", NULL};
-    int max_ctx = 0, rc;
+    static char *kwlist[] = {"max_context", "kv_type", NULL};
+    int max_ctx = 0, rc, kv_type;
+    const char *kv_name = "f32";
     qc_session *s = NULL;
     qc_error err = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i:session", kwlist, &max_ctx)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|s:session", kwlist, &max_ctx, &kv_name)) return NULL;
     if (!model_usable(mo)) return NULL;
-    if (max_ctx < 1) {
-        PyErr_Format(PyExc_ValueError, "max_context must be >= 1, got %d", max_ctx);
+    if (strcmp(kv_name, "f32") == 0) {
+        kv_type = QC_KV_F32;
+    } else if (strcmp(kv_name, "f16") == 0) {
+        kv_type = QC_KV_F16;
+    } else {
+        PyErr_Format(PyExc_ValueError, "kv_type must be 'f16' or 'f32', got '%s'", kv_name);
         return NULL;
     }
     SessionObject *so = PyObject_New(SessionObject, Session_type);
@@ -470,15 +577,18 @@ static PyObject *Model_session(ModelObject *mo, PyObject *args, PyObject *kwds) 
     so->s = NULL;
     so->busy = 0;
     so->prev = so->next = NULL;
-    model_lock(mo);
-    rc = qc_session_create(mo->m, max_ctx, &s, &err);
+    /* the KV cache can be gigabytes: allocated without the GIL (the model lock is held) */
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(mo->lock, WAIT_LOCK);
+    rc = qc_session_create(mo->m, max_ctx, kv_type, &s, &err);
     if (rc == 0) {
         so->s = s;
         so->next = mo->sessions;
         if (mo->sessions) mo->sessions->prev = so;
         mo->sessions = so;
     }
-    model_unlock(mo);
+    PyThread_release_lock(mo->lock);
+    Py_END_ALLOW_THREADS
     if (rc < 0) {
         Py_DECREF(so);
         return qc_py_raise(&err);
@@ -593,8 +703,50 @@ static PyType_Spec Model_spec = {
     Model_slots,
 };
 
+/* capture_names(n_layer) -> list of str: the C core's own names (session.c), in forward order:
+ * embed, blk.0.attn_norm .. blk.<n_layer-1>.resid_out, output_norm, logits, argmax. */
+static PyObject *capture_names(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n_layer = PyLong_AsLong(arg);
+    if (n_layer == -1 && PyErr_Occurred()) return NULL;
+    if (n_layer < 0 || n_layer > 100000) {
+        PyErr_Format(PyExc_ValueError, "n_layer must be in [0, 100000], got %ld", n_layer);
+        return NULL;
+    }
+    PyObject *names = PyList_New(0);
+    if (names == NULL) return NULL;
+    const char *first = qc_capture_global_name(0);   /* embed */
+    PyObject *item = PyUnicode_FromString(first);
+    if (item == NULL || PyList_Append(names, item) < 0) goto fail;
+    Py_DECREF(item);
+    for (long l = 0; l < n_layer; l++) {
+        for (int i = 0; i < qc_capture_layer_count(); i++) {
+            item = PyUnicode_FromFormat("blk.%ld.%s", l, qc_capture_layer_name(i));
+            if (item == NULL || PyList_Append(names, item) < 0) goto fail;
+            Py_DECREF(item);
+        }
+    }
+    for (int g = 1; g < qc_capture_global_count(); g++) {
+        item = PyUnicode_FromString(qc_capture_global_name(g));
+        if (item == NULL || PyList_Append(names, item) < 0) goto fail;
+        Py_DECREF(item);
+    }
+    return names;
+fail:
+    Py_XDECREF(item);
+    Py_DECREF(names);
+    return NULL;
+}
+
+static PyMethodDef model_functions[] = {
+    {"capture_names", capture_names, METH_O,
+     "capture_names(n_layer) -> list: every capture name of a model of n_layer layers, in forward order."},
+    {NULL, NULL, 0, NULL},
+};
+
 int qc_py_add_model(PyObject *m) {
     PyObject *model = NULL;
+    if (PyModule_AddFunctions(m, model_functions) < 0) return -1;
     Session_type = (PyTypeObject *)PyType_FromSpec(&Session_spec);
     if (Session_type == NULL) return -1;
     /* The module keeps a reference; Session_type's own lives as long as the process. */

@@ -1,26 +1,40 @@
 /* session.c: the forward pass of Qwen2, written once against the backend ops (backend.h), with a
  * KV cache, positions and capture.
  *
- * A session owns, on the backend: the KV cache of every layer, scratch activations for up to
- * `rows` tokens per eval (grown only when a longer prefill comes, so a decode step allocates
- * nothing), and the lm_head output. Capture copies a named activation to host memory right after
- * the step that produced it, and only when one of the caller's patterns names it.
+ * A session owns, on the backend: the KV cache of every layer (F32 or F16), scratch activations
+ * for up to `chunk` tokens (grown only when a longer eval comes, so a decode step allocates
+ * nothing), and the lm_head output of up to QC_HEAD_ROWS rows. An eval longer than `chunk`
+ * tokens runs as several forward passes over consecutive chunks: each chunk's keys and values
+ * join the cache before the next chunk attends to them, so the result is the same as one pass.
+ *
+ * Capture copies a named activation to host memory right after the step that produced it, and
+ * only when one of the caller's patterns names it. Every captured tensor is allocated, at its
+ * full size, before any work, and the sum is checked against the capture budget first, so a
+ * capture that cannot fit is refused with MemoryError instead of killing the process.
+ * Attention scores and probabilities are recomputed for the captured query rows by the exact
+ * attention (fp32 over the cache's values), in blocks of rows, so a long context's attention can
+ * be read one row at a time in O(n) memory; the forward pass itself always runs the same
+ * attention whether or not anything is captured.
  *
  * The forward pass runs the fused ops of backend.h (q/k/v in one matmul with the attention norm
  * folded in, RoPE with the cache write, residual adds in the matmul epilogues, gate/up with
- * SwiGLU and the feed-forward norm folded in) wherever the eval captures
- * none of the intermediates they skip; elsewhere it runs the unfused sequence, which computes
- * the same numbers (bit for bit but in the CUDA prefill's GEMM epilogue), so a capture does not
- * change what it observes.
+ * SwiGLU and the feed-forward norm folded in) wherever the eval captures none of the
+ * intermediates they skip; elsewhere it runs the unfused sequence, which computes the same
+ * numbers (bit for bit but in the CUDA prefill's GEMM epilogue), so a capture does not change
+ * what it observes.
  */
 #include "session.h"
 
 #include <fnmatch.h>
-#include <stdlib.h>
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-/* Capture names (DESIGN.md): four global ones, and per layer, in forward order. */
+/* ---------------------------------------------------------------------------------------- */
+/* capture names (DESIGN.md): four global ones, and per layer, in forward order */
+
 enum { CAP_EMBED, CAP_OUTPUT_NORM, CAP_LOGITS, CAP_ARGMAX, CAP_N_GLOBAL };
 static const char *const global_names[CAP_N_GLOBAL] = {"embed", "output_norm", "logits", "argmax"};
 
@@ -34,7 +48,28 @@ static const char *const layer_names[L_N_NAMES] = {
     "attn_proj", "resid_mid", "ffn_norm", "gate", "up", "ffn_act", "ffn_out", "resid_out",
 };
 
-/* Activations of one eval, on the backend, for up to `rows` tokens. */
+int qc_capture_global_count(void) { return CAP_N_GLOBAL; }
+const char *qc_capture_global_name(int i) { return i >= 0 && i < CAP_N_GLOBAL ? global_names[i] : NULL; }
+int qc_capture_layer_count(void) { return L_N_NAMES; }
+const char *qc_capture_layer_name(int i) { return i >= 0 && i < L_N_NAMES ? layer_names[i] : NULL; }
+
+/* ---------------------------------------------------------------------------------------- */
+/* the session */
+
+/* Tokens per forward pass by default: long enough for the GEMMs to run at speed, short enough
+ * that the scratch stays small (0.5B: 77 KB a token; 7B: 300 KB). */
+#define QC_DEFAULT_CHUNK 4096
+/* Scratch rows allocated up front: enough for short prompts without growing. */
+#define QC_INITIAL_ROWS 32
+/* lm_head rows computed at once: bounds the backend's logits buffer (512 x 151936 floats). */
+#define QC_HEAD_ROWS 512
+/* Captures and logits below this many bytes fit whatever the default budget (half of the
+ * available memory) is. */
+#define QC_BUDGET_UNCHECKED ((size_t)64 << 20)
+/* Backend memory for one block of captured attention rows (scores and probabilities). */
+#define QC_SCORE_BLOCK_BYTES ((size_t)256 << 20)
+
+/* Activations of one chunk, on the backend, for up to `rows` tokens. */
 typedef struct {
     int rows;                 /* capacity in tokens */
     int32_t *ids;             /* (rows) token ids */
@@ -51,33 +86,59 @@ typedef struct {
     float *act;               /* (rows, ffn_dim) silu(gate) * up */
 } qc_scratch;
 
+/* Captured attention rows of one block: their q, positions, exact outputs, and the scores and
+ * probabilities (n_head, rows, n_kv), on the backend. */
+typedef struct {
+    int rows;                 /* capacity in rows */
+    size_t score_cap;         /* capacity of scores and probs, in floats */
+    float *q;                 /* (rows, n_head, head_dim) */
+    int32_t *pos;             /* (rows) */
+    float *out;               /* (rows, n_head * head_dim), unused */
+    float *scores, *probs;    /* (score_cap) */
+} qc_attn_rows;
+
 struct qc_session {
     qc_model *m;
     qc_backend *be;
     int max_ctx;
     int pos;                  /* tokens in the cache: the next token's position */
+    int kv_type;              /* QC_KV_F32 or QC_KV_F16 */
+    int chunk;                /* most tokens per forward pass */
+    size_t capture_budget;    /* bytes; 0 = half of MemAvailable at each eval */
+    int no_fusion;            /* QWENCUDA_NO_FUSION at creation: never the fused ops */
+    int no_replay;            /* QWENCUDA_NO_GRAPHS at creation, or a recording that failed */
+    qc_kv_cache *kv;          /* [n_layer] (max_ctx, n_head_kv * head_dim) of k (after RoPE), v */
     qc_scratch sc;
     int32_t *host_pos;        /* (sc.rows) positions staged on the host before upload */
     float *logits;            /* (logit_rows, n_vocab) lm_head output */
     int32_t *amax;            /* (logit_rows) */
     int logit_rows;
-    float *scores;            /* (score_cap) attn_scores when captured: (n_head, n, n_kv) */
-    float *probs;             /* (score_cap) attn_probs when captured */
-    size_t score_cap;         /* elements */
-    float **k_cache;          /* [n_layer] (max_ctx, n_head_kv * head_dim), after RoPE */
-    float **v_cache;          /* [n_layer] (max_ctx, n_head_kv * head_dim) */
+    qc_attn_rows ar;
     void *decode_rec[3];      /* the recorded decode step (backend replay), or NULL: [0] with
                                  the argmax, [1] with a draw, [2] with both */
-    int no_replay;            /* recording failed once on this backend: run ops plainly */
     /* sampling on the backend (an eval with a sampler), allocated at the first such eval */
     void *sample_state;       /* (sample_state_cap) qc_sample_state and its token ids */
     size_t sample_state_cap;
     void *sample_work;        /* (qc_sample_work_bytes(n_vocab)) */
     void *sample_result;      /* one qc_sample_result */
-    int no_fusion;            /* QWENCUDA_NO_FUSION: never the fused ops (to measure them) */
-    unsigned char *want;      /* [CAP_N_GLOBAL + n_layer * L_N_NAMES] capture this eval? */
-    int n_wanted;             /* nonzero entries of want */
+    /* this eval's captures: slot[name] = index into the result's items, or -1 */
+    int *slot;                /* [CAP_N_GLOBAL + n_layer * L_N_NAMES] */
 };
+
+/* What one eval does, decided once before any work. */
+typedef struct {
+    const qc_eval_request *req;
+    qc_eval_result *res;
+    int n;                    /* tokens */
+    int start;                /* position of the first */
+    int n_kv;                 /* keys visible to the last token: start + n */
+    int head_rows;            /* lm_head rows handed back: n (all_logits) or 1 */
+    int want_head;            /* run the output norm and the lm_head at all */
+    int do_argmax, do_sample;
+    int defer_download;       /* the recorded decode step: logits are downloaded after replay */
+    int n_captured;
+    int n_attn_q;             /* query rows of the captured attn_scores / attn_probs */
+} eval_plan;
 
 /* ---------------------------------------------------------------------------------------- */
 /* capture */
@@ -90,56 +151,56 @@ void qc_capture_free(qc_capture *c) {
     c->n = c->cap = 0;
 }
 
-/* Copy `count` values at backend memory src to a new host buffer appended to c. */
-static int capture_put(qc_session *s, qc_capture *c, const char *name, const void *src, int dtype,
-                       int ndim, int64_t d0, int64_t d1, int64_t d2, qc_error *err) {
-    qc_backend *be = s->be;
-    int64_t count = d0 * (ndim > 1 ? d1 : 1) * (ndim > 2 ? d2 : 1);
-    size_t bytes = (size_t)count * 4;   /* float32 and int32 */
-    void *data = NULL;
-    if (c->n == c->cap) {
-        int cap = c->cap ? 2 * c->cap : 32;
-        qc_tensor_out *items = realloc(c->items, (size_t)cap * sizeof *items);
-        if (items == NULL) return qc_fail(err, QC_ERR_NOMEM, "capture %s: out of memory", name);
-        c->items = items;
-        c->cap = cap;
+static size_t n_names(const qc_session *s) { return CAP_N_GLOBAL + (size_t)s->m->cfg.n_layer * L_N_NAMES; }
+static int layer_slot(const qc_session *s, int layer, int which) {
+    return s->slot[CAP_N_GLOBAL + (size_t)layer * L_N_NAMES + which];
+}
+static int layer_wants(const qc_session *s, int layer, int which) { return layer_slot(s, layer, which) >= 0; }
+
+static void name_of(const qc_session *s, size_t i, char *buf, size_t size) {
+    (void)s;
+    if (i < CAP_N_GLOBAL) snprintf(buf, size, "%s", global_names[i]);
+    else snprintf(buf, size, "blk.%d.%s", (int)((i - CAP_N_GLOBAL) / L_N_NAMES), layer_names[(i - CAP_N_GLOBAL) % L_N_NAMES]);
+}
+
+/* The k-th name in forward order (embed, every layer's, output_norm, logits, argmax) as an index
+ * of slot[] (the globals first, then the layers'). */
+static size_t forward_order(const qc_session *s, size_t k) {
+    const size_t layers = n_names(s) - CAP_N_GLOBAL;
+    if (k == 0) return CAP_EMBED;
+    if (k <= layers) return CAP_N_GLOBAL + k - 1;
+    return k - layers;   /* output_norm, logits, argmax */
+}
+
+/* Shape of name i in this eval: (d0[, d1[, d2]]); the first dimension is the token (or query)
+ * row but for attention scores, whose rows are the second. */
+static int shape_of(const qc_session *s, const eval_plan *p, size_t i, int64_t d[3], int *dtype) {
+    const qc_config *c = &s->m->cfg;
+    *dtype = QC_DTYPE_F32;
+    d[0] = p->n;
+    d[1] = d[2] = 0;
+    if (i < CAP_N_GLOBAL) {
+        switch ((int)i) {
+        case CAP_EMBED: case CAP_OUTPUT_NORM: d[1] = c->dim; return 2;
+        case CAP_LOGITS: d[0] = p->head_rows; d[1] = c->n_vocab; return 2;
+        default: d[0] = p->head_rows; *dtype = QC_DTYPE_I32; return 1;   /* argmax */
+        }
     }
-    data = malloc(bytes ? bytes : 1);
-    if (data == NULL) return qc_fail(err, QC_ERR_NOMEM, "capture %s: out of memory (%zu bytes)", name, bytes);
-    if (bytes && be->ops->download(be, data, src, bytes) < 0) {
-        free(data);
-        return qc_fail(err, be->err.kind, "capture %s: %s", name, be->err.msg);
+    switch ((int)((i - CAP_N_GLOBAL) % L_N_NAMES)) {
+    case L_Q: case L_Q_ROPE: d[1] = c->n_head; d[2] = c->head_dim; return 3;
+    case L_K: case L_V: case L_K_ROPE: d[1] = c->n_head_kv; d[2] = c->head_dim; return 3;
+    case L_ATTN_SCORES: case L_ATTN_PROBS: d[0] = c->n_head; d[1] = p->n_attn_q; d[2] = p->n_kv; return 3;
+    case L_ATTN_OUT: d[1] = c->n_head * c->head_dim; return 2;
+    case L_GATE: case L_UP: case L_FFN_ACT: d[1] = c->ffn_dim; return 2;
+    default: d[1] = c->dim; return 2;
     }
-    qc_tensor_out *t = &c->items[c->n++];
-    memset(t, 0, sizeof *t);
-    snprintf(t->name, sizeof t->name, "%s", name);
-    t->ndim = ndim;
-    t->shape[0] = d0;
-    t->shape[1] = ndim > 1 ? d1 : 0;
-    t->shape[2] = ndim > 2 ? d2 : 0;
-    t->dtype = dtype;
-    t->data = data;
-    return 0;
 }
 
-/* Whether this eval captures blk.<layer>.<layer_names[which]>. */
-static int layer_wants(const qc_session *s, int layer, int which) {
-    return s->want[CAP_N_GLOBAL + (size_t)layer * L_N_NAMES + which];
-}
-
-/* A per-layer capture, when wanted: blk.L.<name> of shape (d0[, d1[, d2]]). */
-static int capture_layer(qc_session *s, qc_capture *c, int layer, int which, const float *src,
-                         int ndim, int64_t d0, int64_t d1, int64_t d2, qc_error *err) {
-    char name[64];
-    if (!layer_wants(s, layer, which)) return 0;
-    snprintf(name, sizeof name, "blk.%d.%s", layer, layer_names[which]);
-    return capture_put(s, c, name, src, QC_DTYPE_F32, ndim, d0, d1, d2, err);
-}
-
-static int capture_global(qc_session *s, qc_capture *c, int which, const void *src, int dtype,
-                          int ndim, int64_t d0, int64_t d1, qc_error *err) {
-    if (!s->want[which]) return 0;
-    return capture_put(s, c, global_names[which], src, dtype, ndim, d0, d1, 0, err);
+static size_t bytes_of(int ndim, const int64_t d[3]) {
+    size_t count = (size_t)d[0];
+    if (ndim > 1) count *= (size_t)d[1];
+    if (ndim > 2) count *= (size_t)d[2];
+    return count * 4;   /* float32 and int32 */
 }
 
 static int matches(const qc_capture_spec *spec, const char *name) {
@@ -148,35 +209,158 @@ static int matches(const qc_capture_spec *spec, const char *name) {
     return 0;
 }
 
-/* Decide once per eval which names are captured; returns how many. */
-static int mark_wanted(qc_session *s, const qc_capture_spec *spec) {
-    const int n_layer = (int)s->m->cfg.n_layer;
-    const size_t n_names = CAP_N_GLOBAL + (size_t)n_layer * L_N_NAMES;
-    char name[64];
-    int count = 0;
-    if (s->n_wanted) memset(s->want, 0, n_names);
-    s->n_wanted = 0;
-    if (spec == NULL || spec->n_patterns <= 0) return 0;   /* capture off: no work at all */
-    for (int g = 0; g < CAP_N_GLOBAL; g++) {
-        s->want[g] = (unsigned char)matches(spec, global_names[g]);
-        count += s->want[g];
+/* Half of the memory the system can give without swapping (MemAvailable), else of free pages. */
+static size_t default_budget(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[128];
+    unsigned long long kb = 0;
+    if (f) {
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+        fclose(f);
     }
-    for (int l = 0; l < n_layer; l++) {
-        for (int i = 0; i < L_N_NAMES; i++) {
-            snprintf(name, sizeof name, "blk.%d.%s", l, layer_names[i]);
-            unsigned char w = (unsigned char)matches(spec, name);
-            s->want[CAP_N_GLOBAL + (size_t)l * L_N_NAMES + i] = w;
-            count += w;
-        }
-    }
-    s->n_wanted = count;
-    return count;
+    if (kb) return (size_t)(kb * 1024ull / 2);
+    long pages = sysconf(_SC_AVPHYS_PAGES), size = sysconf(_SC_PAGESIZE);
+    return pages > 0 && size > 0 ? (size_t)pages * (size_t)size / 2 : (size_t)1 << 30;
 }
 
-static int any_layer_wants(const qc_session *s, int which) {
-    for (int l = 0; l < (int)s->m->cfg.n_layer; l++)
-        if (layer_wants(s, l, which)) return 1;
+size_t qc_session_capture_budget(const qc_session *s) {
+    return s->capture_budget ? s->capture_budget : default_budget();
+}
+void qc_session_set_capture_budget(qc_session *s, size_t bytes) { s->capture_budget = bytes; }
+
+static double gib(size_t bytes) { return (double)bytes / (double)(1u << 30); }
+
+/* The eval's plan from its request (no checks here: qc_session_check made them). */
+static void plan_eval(const qc_session *s, const qc_eval_request *req, qc_eval_result *res, eval_plan *p) {
+    memset(p, 0, sizeof *p);
+    p->req = req;
+    p->res = res;
+    p->n = req->n;
+    p->start = s->pos;
+    p->n_kv = s->pos + req->n;
+    p->head_rows = req->all_logits ? req->n : 1;
+    p->do_sample = req->sample != NULL;
+    p->n_attn_q = req->attn_rows ? req->n_attn_rows : req->n;
+}
+
+/* Host bytes this eval's captures take (and how many names), by the shapes of plan p. */
+static size_t capture_bytes(const qc_session *s, const eval_plan *p, int *count) {
+    const qc_capture_spec *spec = p->req->spec;
+    char name[64];
+    int64_t d[3];
+    int dtype;
+    size_t total = 0;
+    *count = 0;
+    if (spec == NULL || spec->n_patterns <= 0) return 0;
+    for (size_t i = 0; i < n_names(s); i++) {
+        name_of(s, i, name, sizeof name);
+        if (!matches(spec, name)) continue;
+        total += bytes_of(shape_of(s, p, i, d, &dtype), d);
+        (*count)++;
+    }
+    return total;
+}
+
+int qc_session_check(const qc_session *s, const qc_eval_request *req, qc_error *err) {
+    const qc_config *c = &s->m->cfg;
+    const int n = req->n;
+    if (n < 1) return qc_fail(err, QC_ERR_VALUE, "no tokens to evaluate");
+    if (n > s->max_ctx - s->pos)
+        return qc_fail(err, QC_ERR_RANGE, "context full: %d tokens at position %d exceed max_context %d",
+                       n, s->pos, s->max_ctx);
+    for (int t = 0; t < n; t++)
+        if (req->ids[t] < 0 || req->ids[t] >= c->n_vocab)
+            return qc_fail(err, QC_ERR_RANGE, "token id %d at ids[%d] (position %d) is out of range [0, %lld)",
+                           (int)req->ids[t], t, s->pos + t, (long long)c->n_vocab);
+    if (req->sample && req->sample->n_history < 0)
+        return qc_fail(err, QC_ERR_VALUE, "sampler state with %d penalty tokens", (int)req->sample->n_history);
+    if (req->attn_rows) {
+        if (req->n_attn_rows < 1)
+            return qc_fail(err, QC_ERR_VALUE, "attn_rows selects no query row");
+        for (int i = 0; i < req->n_attn_rows; i++) {
+            const int r = req->attn_rows[i];
+            if (r < 0 || r >= n)
+                return qc_fail(err, QC_ERR_RANGE, "attn_rows[%d] = %d is not a query row of this eval [0, %d)", i, r, n);
+            if (i > 0 && r <= req->attn_rows[i - 1])
+                return qc_fail(err, QC_ERR_VALUE, "attn_rows must be strictly increasing (attn_rows[%d] = %d after %d)",
+                               i, r, req->attn_rows[i - 1]);
+        }
+    }
+    eval_plan p;
+    qc_eval_result none;
+    int count = 0;
+    plan_eval(s, req, &none, &p);
+    size_t need = capture_bytes(s, &p, &count);
+    if (req->want_logits) need += (size_t)p.head_rows * ((size_t)c->n_vocab * sizeof(float) + sizeof(int32_t));
+    /* the default budget is looked up (a read of /proc/meminfo) only for evals that need more
+     * than QC_BUDGET_UNCHECKED: never on the per-token path */
+    if (s->capture_budget == 0 && need <= QC_BUDGET_UNCHECKED) return 0;
+    const size_t budget = qc_session_capture_budget(s);
+    if (need > budget)
+        return qc_fail(err, QC_ERR_NOMEM,
+                       "this eval's captures (%d tensors) and logits need %.2f GiB of host memory, over the "
+                       "capture budget of %.2f GiB (%s); capture fewer names or layers, choose query rows "
+                       "with attn_rows= for attention at long context, ask for logits='last', or raise the "
+                       "budget (qwencuda.set_capture_budget)", count, gib(need), gib(budget),
+                       s->capture_budget ? "set by the caller" : "half of the memory available now");
     return 0;
+}
+
+/* Allocate every captured tensor of the eval at its full size and mark its slot. */
+static int capture_prepare(qc_session *s, eval_plan *p, qc_error *err) {
+    const qc_capture_spec *spec = p->req->spec;
+    qc_capture *cap = &p->res->capture;
+    char name[64];
+    int64_t d[3];
+    int dtype;
+    for (size_t i = 0; i < n_names(s); i++) s->slot[i] = -1;
+    if (spec == NULL || spec->n_patterns <= 0) return 0;   /* capture off: no work at all */
+    for (size_t k = 0; k < n_names(s); k++) {
+        const size_t i = forward_order(s, k);
+        name_of(s, i, name, sizeof name);
+        if (!matches(spec, name)) continue;
+        const int ndim = shape_of(s, p, i, d, &dtype);
+        const size_t bytes = bytes_of(ndim, d);
+        if (cap->n == cap->cap) {
+            const int grow = cap->cap ? 2 * cap->cap : 32;
+            qc_tensor_out *items = realloc(cap->items, (size_t)grow * sizeof *items);
+            if (items == NULL) return qc_fail(err, QC_ERR_NOMEM, "capture %s: out of memory", name);
+            cap->items = items;
+            cap->cap = grow;
+        }
+        void *data = malloc(bytes ? bytes : 1);
+        if (data == NULL)
+            return qc_fail(err, QC_ERR_NOMEM, "capture %s: out of memory (%zu bytes)", name, bytes);
+        qc_tensor_out *t = &cap->items[cap->n];
+        memset(t, 0, sizeof *t);
+        snprintf(t->name, sizeof t->name, "%s", name);
+        t->ndim = ndim;
+        memcpy(t->shape, d, sizeof t->shape);
+        t->dtype = dtype;
+        t->data = data;
+        s->slot[i] = cap->n++;
+        p->n_captured++;
+    }
+    return 0;
+}
+
+/* Rows [row0, row0 + nrows) of a captured tensor (each `width` values wide) from backend src. */
+static int capture_rows(qc_session *s, const eval_plan *p, int slot, const void *src, int64_t row0,
+                        int64_t nrows, int64_t width, qc_error *err) {
+    qc_backend *be = s->be;
+    if (slot < 0 || nrows <= 0) return 0;
+    qc_tensor_out *t = &p->res->capture.items[slot];
+    char *dst = (char *)t->data + (size_t)row0 * (size_t)width * 4;
+    if (be->ops->download(be, dst, src, (size_t)nrows * (size_t)width * 4) < 0)
+        return qc_fail(err, be->err.kind, "capture %s: %s", t->name, be->err.msg);
+    return 0;
+}
+
+/* A per-layer capture of this chunk's rows (token c0 + i for row i of src). */
+static int capture_layer(qc_session *s, const eval_plan *p, int layer, int which, const float *src,
+                         int c0, int nc, int64_t width, qc_error *err) {
+    return capture_rows(s, p, layer_slot(s, layer, which), src, c0, nc, width, err);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -304,57 +488,77 @@ static int ensure_sampling(qc_session *s, size_t state_bytes, qc_error *err) {
     return 0;
 }
 
-static int ensure_scores(qc_session *s, size_t count, qc_error *err) {
-    float *scores = NULL, *probs = NULL;
-    if (count <= s->score_cap) return 0;
-    if (buf_alloc(s->be, count * sizeof(float), &scores, err) < 0 ||
-        buf_alloc(s->be, count * sizeof(float), &probs, err) < 0) {
-        buf_free(s->be, &scores);
+static void attn_rows_free(qc_backend *be, qc_attn_rows *ar) {
+    buf_free(be, &ar->q);
+    buf_free(be, &ar->pos);
+    buf_free(be, &ar->out);
+    buf_free(be, &ar->scores);
+    buf_free(be, &ar->probs);
+    ar->rows = 0;
+    ar->score_cap = 0;
+}
+
+/* Room for `rows` captured attention rows over n_kv keys (grown, never shrunk; captures only). */
+static int ensure_attn_rows(qc_session *s, int rows, int n_kv, qc_error *err) {
+    const qc_config *c = &s->m->cfg;
+    qc_attn_rows *ar = &s->ar;
+    const size_t q_dim = (size_t)(c->n_head * c->head_dim);
+    const size_t scores = (size_t)c->n_head * (size_t)rows * (size_t)n_kv;
+    if (rows <= ar->rows && scores <= ar->score_cap) return 0;
+    const int want_rows = rows > ar->rows ? rows : ar->rows;
+    const size_t want_scores = scores > ar->score_cap ? scores : ar->score_cap;
+    attn_rows_free(s->be, ar);
+    if (buf_alloc(s->be, (size_t)want_rows * q_dim * sizeof(float), &ar->q, err) < 0 ||
+        buf_alloc(s->be, (size_t)want_rows * sizeof(int32_t), &ar->pos, err) < 0 ||
+        buf_alloc(s->be, (size_t)want_rows * q_dim * sizeof(float), &ar->out, err) < 0 ||
+        buf_alloc(s->be, want_scores * sizeof(float), &ar->scores, err) < 0 ||
+        buf_alloc(s->be, want_scores * sizeof(float), &ar->probs, err) < 0) {
+        attn_rows_free(s->be, ar);
         return -1;
     }
-    buf_free(s->be, &s->scores);
-    buf_free(s->be, &s->probs);
-    s->scores = scores;
-    s->probs = probs;
-    s->score_cap = count;
+    ar->rows = want_rows;
+    ar->score_cap = want_scores;
     return 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* build / free */
 
-/* Scratch rows allocated up front: enough for short prompts without growing. */
-#define QC_INITIAL_ROWS 32
-
-int qc_session_create(qc_model *m, int max_ctx, qc_session **out, qc_error *err) {
+int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, qc_error *err) {
     qc_session *s = NULL;
     const qc_config *c = &m->cfg;
     const size_t kv_dim = (size_t)(c->n_head_kv * c->head_dim);
     *out = NULL;
     if (max_ctx < 1) return qc_fail(err, QC_ERR_VALUE, "max_context must be >= 1, got %d", max_ctx);
+    if (kv_type != QC_KV_F32 && kv_type != QC_KV_F16)
+        return qc_fail(err, QC_ERR_VALUE, "unknown KV cache type %d", kv_type);
     s = calloc(1, sizeof *s);
     if (s == NULL) return qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
     s->m = m;
     s->be = m->be;
     s->max_ctx = max_ctx;
+    s->kv_type = kv_type;
+    s->chunk = QC_DEFAULT_CHUNK;
     /* QWENCUDA_NO_GRAPHS=1 runs every decode step op by op (to measure or to debug replay) */
     const char *no_graphs = getenv("QWENCUDA_NO_GRAPHS");
     s->no_replay = no_graphs && *no_graphs && strcmp(no_graphs, "0") != 0;
     /* QWENCUDA_NO_FUSION=1 runs the unfused op sequences everywhere (to measure the fused ops) */
     const char *no_fusion = getenv("QWENCUDA_NO_FUSION");
     s->no_fusion = no_fusion && *no_fusion && strcmp(no_fusion, "0") != 0;
-    s->k_cache = calloc((size_t)c->n_layer, sizeof *s->k_cache);
-    s->v_cache = calloc((size_t)c->n_layer, sizeof *s->v_cache);
-    s->want = calloc(CAP_N_GLOBAL + (size_t)c->n_layer * L_N_NAMES, 1);
-    if (s->k_cache == NULL || s->v_cache == NULL || s->want == NULL) {
+    s->kv = calloc((size_t)c->n_layer, sizeof *s->kv);
+    s->slot = malloc(n_names(s) * sizeof *s->slot);
+    if (s->kv == NULL || s->slot == NULL) {
         qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
         goto fail;
     }
+    const size_t cache_bytes = (size_t)max_ctx * kv_dim * qc_kv_type_size(kv_type);
     for (int64_t l = 0; l < c->n_layer; l++) {
-        if (buf_alloc(s->be, (size_t)max_ctx * kv_dim * sizeof(float), &s->k_cache[l], err) < 0 ||
-            buf_alloc(s->be, (size_t)max_ctx * kv_dim * sizeof(float), &s->v_cache[l], err) < 0) {
+        s->kv[l].type = kv_type;
+        if (buf_alloc(s->be, cache_bytes, &s->kv[l].k, err) < 0 ||
+            buf_alloc(s->be, cache_bytes, &s->kv[l].v, err) < 0) {
             qc_error why = *err;
-            qc_fail(err, why.kind, "KV cache of %d positions: %s", max_ctx, why.msg);
+            qc_fail(err, why.kind, "KV cache of %d positions (%.2f GiB): %s", max_ctx,
+                    gib(2 * cache_bytes * (size_t)c->n_layer), why.msg);
             goto fail;
         }
     }
@@ -372,28 +576,34 @@ void qc_session_free(qc_session *s) {
     if (s == NULL) return;
     qc_backend *be = s->be;
     drop_recording(s);
-    for (int64_t l = 0; l < s->m->cfg.n_layer; l++) {
-        if (s->k_cache) buf_free(be, &s->k_cache[l]);
-        if (s->v_cache) buf_free(be, &s->v_cache[l]);
+    for (int64_t l = 0; s->kv && l < s->m->cfg.n_layer; l++) {
+        buf_free(be, &s->kv[l].k);
+        buf_free(be, &s->kv[l].v);
     }
     scratch_free(be, &s->sc);
+    attn_rows_free(be, &s->ar);
     buf_free(be, &s->logits);
     buf_free(be, &s->amax);
-    buf_free(be, &s->scores);
-    buf_free(be, &s->probs);
     buf_free(be, &s->sample_state);
     buf_free(be, &s->sample_work);
     buf_free(be, &s->sample_result);
     free(s->host_pos);
-    free(s->k_cache);
-    free(s->v_cache);
-    free(s->want);
+    free(s->kv);
+    free(s->slot);
     free(s);
 }
 
 int qc_session_position(const qc_session *s) { return s->pos; }
 int qc_session_max_context(const qc_session *s) { return s->max_ctx; }
+int qc_session_kv_type(const qc_session *s) { return s->kv_type; }
 void qc_session_reset(qc_session *s) { s->pos = 0; }
+int qc_session_chunk(const qc_session *s) { return s->chunk; }
+
+int qc_session_set_chunk(qc_session *s, int chunk, qc_error *err) {
+    if (chunk < 1) return qc_fail(err, QC_ERR_VALUE, "prefill chunk must be >= 1 token, got %d", chunk);
+    s->chunk = chunk;
+    return 0;
+}
 
 /* Forget the last n tokens: the cache rows past the new position are overwritten before they
  * are read again, so nothing needs clearing. */
@@ -407,14 +617,91 @@ int qc_session_rewind(qc_session *s, int n, qc_error *err) {
 /* ---------------------------------------------------------------------------------------- */
 /* the forward pass */
 
-/* The forward pass proper: every op from the embedding to the argmax, on the backend. It only
- * reads and writes backend memory (and copies captured tensors out), so that a decode step can
- * be recorded once and replayed. */
-static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits, int want_head,
-                       int do_argmax, int do_sample, float *scores, float *probs,
-                       qc_capture *capture, qc_error *err) {
+#define OP(call) do { if ((call) < 0) goto backend_fail; } while (0)
+#define CAPTURE(call) do { if ((call) < 0) goto fail; } while (0)
+
+/* attn_scores / attn_probs of layer l for the captured query rows among this chunk's tokens
+ * [c0, c0 + nc): their q (after RoPE) and positions are gathered, the exact attention over
+ * the cache's first n_kv keys gives scores and probabilities in blocks of rows, and each block
+ * lands in its capture rows, padded to the eval's keys (-inf and 0: masked). */
+static int capture_attention(qc_session *s, const eval_plan *p, int l, int c0, int nc, int n_kv,
+                             qc_error *err) {
+    const qc_config *c = &s->m->cfg;
+    qc_backend *be = s->be;
+    const qc_backend_ops *op = be->ops;
+    const qc_eval_request *req = p->req;
+    const int n_head = (int)c->n_head, q_dim = (int)(c->n_head * c->head_dim);
+    const int s_slot = layer_slot(s, l, L_ATTN_SCORES), p_slot = layer_slot(s, l, L_ATTN_PROBS);
+    float *host = NULL;
+    int rc = -1;
+    /* the capture rows [k0, k1) that fall in this chunk */
+    int k0 = c0, k1 = c0 + nc;
+    if (req->attn_rows) {
+        k0 = 0;
+        while (k0 < req->n_attn_rows && req->attn_rows[k0] < c0) k0++;
+        k1 = k0;
+        while (k1 < req->n_attn_rows && req->attn_rows[k1] < c0 + nc) k1++;
+    }
+    if (k1 <= k0) return 0;
+    size_t per_row = (size_t)n_head * (size_t)n_kv * sizeof(float);
+    int block = (int)(QC_SCORE_BLOCK_BYTES / per_row);
+    if (block < 1) block = 1;
+    if (block > k1 - k0) block = k1 - k0;
+    if (ensure_attn_rows(s, block, n_kv, err) < 0) return -1;
+    host = malloc((size_t)block * per_row);
+    if (host == NULL) return qc_fail(err, QC_ERR_NOMEM, "capture of attention rows: out of memory");
+    int32_t pos_rows[64];
+    for (int b0 = k0; b0 < k1; b0 += block) {
+        const int nb = k1 - b0 < block ? k1 - b0 : block;
+        /* gather q rows (runs of consecutive tokens in one copy) and upload their positions */
+        for (int i = 0; i < nb;) {
+            const int tok = req->attn_rows ? req->attn_rows[b0 + i] : b0 + i;
+            int run = 1;
+            while (i + run < nb && (req->attn_rows ? req->attn_rows[b0 + i + run] : b0 + i + run) == tok + run) run++;
+            OP(op->copy(be, s->ar.q + (size_t)i * q_dim, s->sc.q + (size_t)(tok - c0) * q_dim,
+                        (size_t)run * q_dim * sizeof(float)));
+            i += run;
+        }
+        for (int i0 = 0; i0 < nb; i0 += 64) {
+            const int m = nb - i0 < 64 ? nb - i0 : 64;
+            for (int i = 0; i < m; i++)
+                pos_rows[i] = p->start + (req->attn_rows ? req->attn_rows[b0 + i0 + i] : b0 + i0 + i);
+            OP(op->upload(be, s->ar.pos + i0, pos_rows, (size_t)m * sizeof(int32_t)));
+        }
+        OP(op->attention(be, s->ar.q, s->kv[l], s->ar.pos, nb, n_kv, n_head, (int)c->n_head_kv,
+                         (int)c->head_dim, s->ar.out, s->ar.scores, s->ar.probs));
+        /* (n_head, nb, n_kv) on the backend -> rows b0.. of (n_head, n_attn_q, p->n_kv) */
+        for (int which = 0; which < 2; which++) {
+            const int slot = which ? p_slot : s_slot;
+            if (slot < 0) continue;
+            const float pad = which ? 0.0f : -INFINITY;
+            OP(op->download(be, host, which ? s->ar.probs : s->ar.scores, (size_t)nb * per_row));
+            float *dst = p->res->capture.items[slot].data;
+            for (int h = 0; h < n_head; h++) {
+                for (int i = 0; i < nb; i++) {
+                    float *row = dst + ((size_t)h * (size_t)p->n_attn_q + (size_t)(b0 + i)) * (size_t)p->n_kv;
+                    memcpy(row, host + ((size_t)h * nb + i) * (size_t)n_kv, (size_t)n_kv * sizeof(float));
+                    for (int j = n_kv; j < p->n_kv; j++) row[j] = pad;
+                }
+            }
+        }
+    }
+    rc = 0;
+    goto done;
+backend_fail:
+    qc_fail(err, be->err.kind, "%s", be->err.msg);
+done:
+    free(host);
+    return rc;
+}
+
+/* One transformer block over this chunk's nc tokens (eval rows c0..): x += attention(norm(x));
+ * x += ffn(norm(x)). The KV cache holds keys 0 .. n_kv - 1 afterwards. */
+static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int nc, int n_kv,
+                         qc_error *err) {
     const qc_model *m = s->m;
     const qc_config *c = &m->cfg;
+    const qc_layer *L = &m->layers[l];
     qc_backend *be = s->be;
     const qc_backend_ops *op = be->ops;
     qc_scratch *sc = &s->sc;
@@ -422,142 +709,145 @@ static int forward_ops(qc_session *s, int n, int n_kv, int rows, int all_logits,
     const int n_head = (int)c->n_head, n_head_kv = (int)c->n_head_kv;
     const int q_dim = n_head * hd, kv_dim = n_head_kv * hd;
     const float eps = c->norm_eps;
+    /* A fused op runs unless this eval captures an intermediate that it never writes: the norms'
+     * outputs, q and k before RoPE, attn_proj, gate and up, ffn_out. Everything else the fused
+     * ops leave in the same buffers as the unfused ones, so its capture is unchanged. */
+    const int fuse = !s->no_fusion;
+    const int fuse_attn_norm = fuse && !layer_wants(s, l, L_ATTN_NORM);
+    const int fuse_rope = fuse && !layer_wants(s, l, L_Q) && !layer_wants(s, l, L_K);
+    const int fuse_o = fuse && !layer_wants(s, l, L_ATTN_PROJ);
+    const int fuse_gate_up = fuse && !layer_wants(s, l, L_GATE) && !layer_wants(s, l, L_UP);
+    const int fuse_ffn_norm = fuse_gate_up && !layer_wants(s, l, L_FFN_NORM);
+    const int fuse_down = fuse && !layer_wants(s, l, L_FFN_OUT);
 
-    /* embed: x = token_embd[ids] */
-    if (op->embed(be, &m->tok_embd, sc->ids, n, sc->x) < 0) goto backend_fail;
-    if (capture_global(s, capture, CAP_EMBED, sc->x, QC_DTYPE_F32, 2, n, dim, err) < 0) goto fail;
-
-    for (int l = 0; l < (int)c->n_layer; l++) {
-        const qc_layer *L = &m->layers[l];
-        /* A fused op runs unless this eval captures an intermediate that it never writes:
-         * q and k before RoPE, attn_proj, gate and up, ffn_out. Everything else the fused ops
-         * leave in the same buffers as the unfused ones, so its capture is unchanged. */
-        const int fuse = !s->no_fusion;
-        const int fuse_rope = fuse && !layer_wants(s, l, L_Q) && !layer_wants(s, l, L_K);
-        const int fuse_o = fuse && !layer_wants(s, l, L_ATTN_PROJ);
-        const int fuse_gate_up = fuse && !layer_wants(s, l, L_GATE) && !layer_wants(s, l, L_UP);
-        const int fuse_down = fuse && !layer_wants(s, l, L_FFN_OUT);
-        /* the norms fold into the projections after them unless their output is captured */
-        const int fuse_attn_norm = fuse && !layer_wants(s, l, L_ATTN_NORM);
-        const int fuse_ffn_norm = fuse_gate_up && !layer_wants(s, l, L_FFN_NORM);
-
-        /* attention RMSNorm: xn = x / rms(x) * attn_norm */
-        if (!fuse_attn_norm) {
-            if (op->rmsnorm(be, sc->x, L->attn_norm, n, dim, eps, sc->xn) < 0) goto backend_fail;
-            if (capture_layer(s, capture, l, L_ATTN_NORM, sc->xn, 2, n, dim, 0, err) < 0) goto fail;
-        }
-
-        /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them), in one pass */
-        if (fuse) {
-            const qc_matmul_part qkv[3] = {
-                {&L->wq, L->bq, sc->q}, {&L->wk, L->bk, sc->k}, {&L->wv, L->bv, sc->v}};
-            if ((fuse_attn_norm ? op->matmul_multi(be, qkv, 3, sc->x, n, L->attn_norm, eps)
-                                : op->matmul_multi(be, qkv, 3, sc->xn, n, NULL, 0.0f)) < 0)
-                goto backend_fail;
-        } else if (op->matmul(be, &L->wq, L->bq, sc->xn, n, sc->q) < 0 ||
-                   op->matmul(be, &L->wk, L->bk, sc->xn, n, sc->k) < 0 ||
-                   op->matmul(be, &L->wv, L->bv, sc->xn, n, sc->v) < 0) {
-            goto backend_fail;
-        }
-        if (capture_layer(s, capture, l, L_Q, sc->q, 3, n, n_head, hd, err) < 0 ||
-            capture_layer(s, capture, l, L_K, sc->k, 3, n, n_head_kv, hd, err) < 0 ||
-            capture_layer(s, capture, l, L_V, sc->v, 3, n, n_head_kv, hd, err) < 0)
-            goto fail;
-
-        /* RoPE, NEOX pairs (i, i + head_dim/2), on q and k at their positions; the rotated k
-         * and the v of these tokens go into the cache at their positions */
-        if (fuse_rope) {
-            if (op->rope_kv_store(be, sc->q, sc->k, sc->v, sc->pos, n, n_head, n_head_kv, hd,
-                                  c->rope_theta, s->k_cache[l], s->v_cache[l]) < 0)
-                goto backend_fail;
-        } else if (op->rope(be, sc->q, sc->pos, n, n_head, hd, c->rope_theta) < 0 ||
-                   op->rope(be, sc->k, sc->pos, n, n_head_kv, hd, c->rope_theta) < 0 ||
-                   op->kv_store(be, sc->k, sc->v, sc->pos, n, kv_dim, s->k_cache[l], s->v_cache[l]) < 0) {
-            goto backend_fail;
-        }
-        if (capture_layer(s, capture, l, L_Q_ROPE, sc->q, 3, n, n_head, hd, err) < 0 ||
-            capture_layer(s, capture, l, L_K_ROPE, sc->k, 3, n, n_head_kv, hd, err) < 0)
-            goto fail;
-
-        /* causal GQA attention: query head h reads KV head h / (n_head / n_head_kv), keys 0..pos */
-        if (op->attention(be, sc->q, s->k_cache[l], s->v_cache[l], sc->pos, n, n_kv, n_head,
-                          n_head_kv, hd, sc->att, scores, probs) < 0)
-            goto backend_fail;
-        if (capture_layer(s, capture, l, L_ATTN_SCORES, scores, 3, n_head, n, n_kv, err) < 0 ||
-            capture_layer(s, capture, l, L_ATTN_PROBS, probs, 3, n_head, n, n_kv, err) < 0 ||
-            capture_layer(s, capture, l, L_ATTN_OUT, sc->att, 2, n, q_dim, 0, err) < 0)
-            goto fail;
-
-        /* output projection (no bias) and the residual: x = x + att @ Wo^T */
-        if (fuse_o) {
-            if (op->matmul_add(be, &L->wo, sc->att, n, sc->x, sc->x) < 0) goto backend_fail;
-        } else {
-            if (op->matmul(be, &L->wo, NULL, sc->att, n, sc->y) < 0) goto backend_fail;
-            if (capture_layer(s, capture, l, L_ATTN_PROJ, sc->y, 2, n, dim, 0, err) < 0) goto fail;
-            if (op->add(be, sc->x, sc->y, (int64_t)n * dim, sc->x) < 0) goto backend_fail;
-        }
-        if (capture_layer(s, capture, l, L_RESID_MID, sc->x, 2, n, dim, 0, err) < 0) goto fail;
-
-        /* feed-forward RMSNorm */
-        if (!fuse_ffn_norm) {
-            if (op->rmsnorm(be, sc->x, L->ffn_norm, n, dim, eps, sc->xn) < 0) goto backend_fail;
-            if (capture_layer(s, capture, l, L_FFN_NORM, sc->xn, 2, n, dim, 0, err) < 0) goto fail;
-        }
-
-        /* gate and up projections, act = silu(gate) * up */
-        if (fuse_gate_up) {
-            if ((fuse_ffn_norm ? op->matmul_swiglu(be, &L->w_gate, &L->w_up, sc->x, n, L->ffn_norm, eps, sc->act)
-                               : op->matmul_swiglu(be, &L->w_gate, &L->w_up, sc->xn, n, NULL, 0.0f, sc->act)) < 0)
-                goto backend_fail;
-        } else {
-            if (op->matmul(be, &L->w_gate, NULL, sc->xn, n, sc->gate) < 0 ||
-                op->matmul(be, &L->w_up, NULL, sc->xn, n, sc->up) < 0)
-                goto backend_fail;
-            if (capture_layer(s, capture, l, L_GATE, sc->gate, 2, n, ffn, 0, err) < 0 ||
-                capture_layer(s, capture, l, L_UP, sc->up, 2, n, ffn, 0, err) < 0)
-                goto fail;
-            if (op->swiglu(be, sc->gate, sc->up, (int64_t)n * ffn, sc->act) < 0) goto backend_fail;
-        }
-        if (capture_layer(s, capture, l, L_FFN_ACT, sc->act, 2, n, ffn, 0, err) < 0) goto fail;
-
-        /* down projection and the residual: x = x + act @ Wdown^T */
-        if (fuse_down) {
-            if (op->matmul_add(be, &L->w_down, sc->act, n, sc->x, sc->x) < 0) goto backend_fail;
-        } else {
-            if (op->matmul(be, &L->w_down, NULL, sc->act, n, sc->y) < 0) goto backend_fail;
-            if (capture_layer(s, capture, l, L_FFN_OUT, sc->y, 2, n, dim, 0, err) < 0) goto fail;
-            if (op->add(be, sc->x, sc->y, (int64_t)n * dim, sc->x) < 0) goto backend_fail;
-        }
-        if (capture_layer(s, capture, l, L_RESID_OUT, sc->x, 2, n, dim, 0, err) < 0) goto fail;
+    /* attention RMSNorm: xn = x / rms(x) * attn_norm (folded into q/k/v when fused) */
+    if (!fuse_attn_norm) {
+        OP(op->rmsnorm(be, sc->x, L->attn_norm, nc, dim, eps, sc->xn));
+        CAPTURE(capture_layer(s, p, l, L_ATTN_NORM, sc->xn, c0, nc, dim, err));
     }
 
-    if (want_head) {
-        /* output RMSNorm: every row when they are all needed, else the last one only */
-        const int first = (all_logits || s->want[CAP_OUTPUT_NORM]) ? 0 : n - 1;
-        const size_t off = (size_t)first * (size_t)dim;
-        if (op->rmsnorm(be, sc->x + off, m->output_norm, n - first, dim, eps, sc->xn + off) < 0)
-            goto backend_fail;
-        if (capture_global(s, capture, CAP_OUTPUT_NORM, sc->xn, QC_DTYPE_F32, 2, n, dim, err) < 0)
-            goto fail;
+    /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them), in one pass */
+    if (fuse) {
+        const qc_matmul_part qkv[3] = {{&L->wq, L->bq, sc->q}, {&L->wk, L->bk, sc->k}, {&L->wv, L->bv, sc->v}};
+        OP(fuse_attn_norm ? op->matmul_multi(be, qkv, 3, sc->x, nc, L->attn_norm, eps)
+                          : op->matmul_multi(be, qkv, 3, sc->xn, nc, NULL, 0.0f));
+    } else {
+        OP(op->matmul(be, &L->wq, L->bq, sc->xn, nc, sc->q));
+        OP(op->matmul(be, &L->wk, L->bk, sc->xn, nc, sc->k));
+        OP(op->matmul(be, &L->wv, L->bv, sc->xn, nc, sc->v));
+    }
+    CAPTURE(capture_layer(s, p, l, L_Q, sc->q, c0, nc, q_dim, err));
+    CAPTURE(capture_layer(s, p, l, L_K, sc->k, c0, nc, kv_dim, err));
+    CAPTURE(capture_layer(s, p, l, L_V, sc->v, c0, nc, kv_dim, err));
 
-        /* lm_head: logits = xn @ output^T (output.weight, or token_embd when tied), on the
-         * rows asked for */
-        const float *head_in = sc->xn + (size_t)(n - rows) * (size_t)dim;
-        if (op->matmul(be, &m->output, NULL, head_in, rows, s->logits) < 0) goto backend_fail;
-        if (capture_global(s, capture, CAP_LOGITS, s->logits, QC_DTYPE_F32, 2, rows, c->n_vocab, err) < 0)
-            goto fail;
+    /* RoPE, NEOX pairs (i, i + head_dim/2), on q and k at their positions; the rotated k and
+     * the v of these tokens go into the cache at their positions */
+    if (fuse_rope) {
+        OP(op->rope_kv_store(be, sc->q, sc->k, sc->v, sc->pos, nc, n_head, n_head_kv, hd, c->rope_theta, s->kv[l]));
+    } else {
+        OP(op->rope(be, sc->q, sc->pos, nc, n_head, hd, c->rope_theta));
+        OP(op->rope(be, sc->k, sc->pos, nc, n_head_kv, hd, c->rope_theta));
+        OP(op->kv_store(be, sc->k, sc->v, sc->pos, nc, kv_dim, s->kv[l]));
+    }
+    CAPTURE(capture_layer(s, p, l, L_Q_ROPE, sc->q, c0, nc, q_dim, err));
+    CAPTURE(capture_layer(s, p, l, L_K_ROPE, sc->k, c0, nc, kv_dim, err));
 
+    /* causal GQA attention: query head h reads KV head h / (n_head / n_head_kv), keys 0..pos */
+    OP(op->attention(be, sc->q, s->kv[l], sc->pos, nc, n_kv, n_head, n_head_kv, hd, sc->att, NULL, NULL));
+    if (layer_wants(s, l, L_ATTN_SCORES) || layer_wants(s, l, L_ATTN_PROBS))
+        CAPTURE(capture_attention(s, p, l, c0, nc, n_kv, err));
+    CAPTURE(capture_layer(s, p, l, L_ATTN_OUT, sc->att, c0, nc, q_dim, err));
+
+    /* output projection (no bias) and the residual: x = x + att @ Wo^T */
+    if (fuse_o) {
+        OP(op->matmul_add(be, &L->wo, sc->att, nc, sc->x, sc->x));
+    } else {
+        OP(op->matmul(be, &L->wo, NULL, sc->att, nc, sc->y));
+        CAPTURE(capture_layer(s, p, l, L_ATTN_PROJ, sc->y, c0, nc, dim, err));
+        OP(op->add(be, sc->x, sc->y, (int64_t)nc * dim, sc->x));
+    }
+    CAPTURE(capture_layer(s, p, l, L_RESID_MID, sc->x, c0, nc, dim, err));
+
+    /* feed-forward RMSNorm (folded into gate/up when fused) */
+    if (!fuse_ffn_norm) {
+        OP(op->rmsnorm(be, sc->x, L->ffn_norm, nc, dim, eps, sc->xn));
+        CAPTURE(capture_layer(s, p, l, L_FFN_NORM, sc->xn, c0, nc, dim, err));
+    }
+
+    /* gate and up projections, act = silu(gate) * up */
+    if (fuse_gate_up) {
+        OP(fuse_ffn_norm ? op->matmul_swiglu(be, &L->w_gate, &L->w_up, sc->x, nc, L->ffn_norm, eps, sc->act)
+                         : op->matmul_swiglu(be, &L->w_gate, &L->w_up, sc->xn, nc, NULL, 0.0f, sc->act));
+    } else {
+        OP(op->matmul(be, &L->w_gate, NULL, sc->xn, nc, sc->gate));
+        OP(op->matmul(be, &L->w_up, NULL, sc->xn, nc, sc->up));
+        CAPTURE(capture_layer(s, p, l, L_GATE, sc->gate, c0, nc, ffn, err));
+        CAPTURE(capture_layer(s, p, l, L_UP, sc->up, c0, nc, ffn, err));
+        OP(op->swiglu(be, sc->gate, sc->up, (int64_t)nc * ffn, sc->act));
+    }
+    CAPTURE(capture_layer(s, p, l, L_FFN_ACT, sc->act, c0, nc, ffn, err));
+
+    /* down projection and the residual: x = x + act @ Wdown^T */
+    if (fuse_down) {
+        OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x));
+    } else {
+        OP(op->matmul(be, &L->w_down, NULL, sc->act, nc, sc->y));
+        CAPTURE(capture_layer(s, p, l, L_FFN_OUT, sc->y, c0, nc, dim, err));
+        OP(op->add(be, sc->x, sc->y, (int64_t)nc * dim, sc->x));
+    }
+    CAPTURE(capture_layer(s, p, l, L_RESID_OUT, sc->x, c0, nc, dim, err));
+    return 0;
+backend_fail:
+    qc_fail(err, be->err.kind, "%s", be->err.msg);
+fail:
+    return -1;
+}
+
+/* The output norm, the lm_head, the argmax and the draw over this chunk's rows that the eval
+ * hands back: every row with all_logits, else the eval's last token (in its last chunk). The
+ * lm_head runs QC_HEAD_ROWS rows at a time; logits and argmax go straight to the caller. */
+static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_error *err) {
+    const qc_model *m = s->m;
+    const qc_config *c = &m->cfg;
+    qc_backend *be = s->be;
+    const qc_backend_ops *op = be->ops;
+    qc_scratch *sc = &s->sc;
+    const qc_eval_request *req = p->req;
+    const int dim = (int)c->dim, last_chunk = c0 + nc == p->n;
+    const int64_t vocab = c->n_vocab;
+    const int want_norm = s->slot[CAP_OUTPUT_NORM] >= 0;
+    /* lm_head rows of this chunk: [r0, nc) in chunk rows; out_row0: their first row out */
+    const int r0 = req->all_logits ? 0 : (last_chunk ? nc - 1 : nc);
+    const int out_row0 = req->all_logits ? c0 : 0;
+
+    /* output RMSNorm: every row when all are needed, else the lm_head's */
+    const int first = want_norm ? 0 : r0;
+    if (first < nc)
+        OP(op->rmsnorm(be, sc->x + (size_t)first * dim, m->output_norm, nc - first, dim, c->norm_eps,
+                       sc->xn + (size_t)first * dim));
+    CAPTURE(capture_rows(s, p, s->slot[CAP_OUTPUT_NORM], sc->xn, c0, nc, dim, err));
+
+    for (int b = r0; b < nc; b += QC_HEAD_ROWS) {
+        const int rows = nc - b < QC_HEAD_ROWS ? nc - b : QC_HEAD_ROWS;
+        const int out_row = out_row0 + (b - r0);
+        /* lm_head: logits = xn @ output^T (output.weight, or token_embd when tied) */
+        OP(op->matmul(be, &m->output, NULL, sc->xn + (size_t)b * dim, rows, s->logits));
+        CAPTURE(capture_rows(s, p, s->slot[CAP_LOGITS], s->logits, out_row, rows, vocab, err));
         /* argmax: the first largest logit of each row */
-        if (do_argmax) {
-            if (op->argmax(be, s->logits, rows, c->n_vocab, s->amax) < 0) goto backend_fail;
-            if (capture_global(s, capture, CAP_ARGMAX, s->amax, QC_DTYPE_I32, 1, rows, 0, err) < 0)
-                goto fail;
+        if (p->do_argmax) {
+            OP(op->argmax(be, s->logits, rows, vocab, s->amax));
+            CAPTURE(capture_rows(s, p, s->slot[CAP_ARGMAX], s->amax, out_row, rows, 1, err));
         }
-
-        /* a draw from the last row, by the sampler state uploaded for this eval */
-        if (do_sample && op->sample(be, s->logits + (size_t)(rows - 1) * (size_t)c->n_vocab, c->n_vocab,
-                                    s->sample_state, s->sample_work, s->sample_result) < 0)
-            goto backend_fail;
+        /* a draw from the eval's last row, by the sampler state uploaded for this eval */
+        if (p->do_sample && last_chunk && b + rows == nc)
+            OP(op->sample(be, s->logits + (size_t)(rows - 1) * (size_t)vocab, vocab, s->sample_state,
+                          s->sample_work, s->sample_result));
+        /* to the caller, unless this is the recorded decode step (downloaded after its replay) */
+        if (p->res->logits && !p->defer_download) {
+            OP(op->download(be, p->res->logits + (size_t)out_row * (size_t)vocab, s->logits,
+                            (size_t)rows * (size_t)vocab * sizeof(float)));
+            OP(op->download(be, p->res->argmax + out_row, s->amax, (size_t)rows * sizeof(int32_t)));
+        }
     }
     return 0;
 backend_fail:
@@ -566,95 +856,114 @@ fail:
     return -1;
 }
 
-int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
-                    const qc_capture_spec *spec, qc_capture *capture,
-                    float *logits, int32_t *argmax, const qc_sample_state *sample,
-                    qc_sample_result *drawn, qc_error *err) {
+/* The forward pass over the eval's tokens [c0, c0 + nc): embedding, every layer, the head. It
+ * only reads and writes backend memory (and copies captured tensors out), so that a decode step
+ * can be recorded once and replayed. */
+static int forward_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_error *err) {
     const qc_model *m = s->m;
-    const qc_config *c = &m->cfg;
+    qc_backend *be = s->be;
+    qc_scratch *sc = &s->sc;
+    const int n_kv = p->start + c0 + nc;   /* keys visible to this chunk's last token */
+
+    /* embed: x = token_embd[ids] */
+    OP(be->ops->embed(be, &m->tok_embd, sc->ids, nc, sc->x));
+    CAPTURE(capture_rows(s, p, s->slot[CAP_EMBED], sc->x, c0, nc, m->cfg.dim, err));
+    for (int l = 0; l < (int)m->cfg.n_layer; l++)
+        CAPTURE(layer_forward(s, p, l, c0, nc, n_kv, err));
+    if (p->want_head) CAPTURE(head_forward(s, p, c0, nc, err));
+    return 0;
+backend_fail:
+    qc_fail(err, be->err.kind, "%s", be->err.msg);
+fail:
+    return -1;
+}
+
+/* Token ids and positions of the chunk [c0, c0 + nc) to the backend. */
+static int upload_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_error *err) {
+    qc_backend *be = s->be;
+    for (int t = 0; t < nc; t++) s->host_pos[t] = p->start + c0 + t;
+    if (be->ops->upload(be, s->sc.ids, p->req->ids + c0, (size_t)nc * sizeof(int32_t)) < 0 ||
+        be->ops->upload(be, s->sc.pos, s->host_pos, (size_t)nc * sizeof(int32_t)) < 0)
+        return qc_fail(err, be->err.kind, "%s", be->err.msg);
+    return 0;
+}
+
+/* A decode step (one token, nothing captured) on a backend that can record: the ops are recorded
+ * once per slot and the recording is replayed at every later step, one launch instead of
+ * hundreds. Only the uploaded id, position and sampler state differ between replays. Returns 1
+ * when it ran the step, 0 when the step must run op by op. */
+static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     qc_backend *be = s->be;
     const qc_backend_ops *op = be->ops;
-    qc_scratch *sc = &s->sc;
-    const int n_head = (int)c->n_head;
-
-    /* Everything that can be wrong with the request is checked before any work. */
-    if (n < 1) return qc_fail(err, QC_ERR_VALUE, "no tokens to evaluate");
-    if (n > s->max_ctx - s->pos)
-        return qc_fail(err, QC_ERR_RANGE, "context full: %d tokens at position %d exceed max_context %d",
-                       n, s->pos, s->max_ctx);
-    for (int t = 0; t < n; t++)
-        if (ids[t] < 0 || ids[t] >= c->n_vocab)
-            return qc_fail(err, QC_ERR_RANGE, "token id %d at ids[%d] (position %d) is out of range [0, %lld)",
-                           (int)ids[t], t, s->pos + t, (long long)c->n_vocab);
-    if (sample && sample->n_history < 0)
-        return qc_fail(err, QC_ERR_VALUE, "sampler state with %d penalty tokens", (int)sample->n_history);
-
-    const int n_kv = s->pos + n;                    /* keys visible to the last token */
-    const int n_captured = mark_wanted(s, capture ? spec : NULL);
-    const int want_scores = n_captured && (any_layer_wants(s, L_ATTN_SCORES) || any_layer_wants(s, L_ATTN_PROBS));
-    const int do_sample = sample != NULL;
-    const size_t sample_bytes = do_sample ? sizeof *sample + (size_t)sample->n_history * sizeof(int32_t) : 0;
-    const int want_head = logits || argmax || do_sample || s->want[CAP_OUTPUT_NORM] ||
-                          s->want[CAP_LOGITS] || s->want[CAP_ARGMAX];
-    const int rows = all_logits ? n : 1;            /* lm_head rows */
-    if (ensure_rows(s, n, err) < 0) return -1;
-    if (want_head && ensure_logit_rows(s, rows, err) < 0) return -1;
-    if (want_scores && ensure_scores(s, (size_t)n_head * (size_t)n * (size_t)n_kv, err) < 0) return -1;
-    if (do_sample && ensure_sampling(s, sample_bytes, err) < 0) return -1;
-    float *scores = want_scores ? s->scores : NULL, *probs = want_scores ? s->probs : NULL;
-
-    /* token ids and positions reach the backend once per eval */
-    for (int t = 0; t < n; t++) s->host_pos[t] = s->pos + t;
-    if (op->upload(be, sc->ids, ids, (size_t)n * sizeof(int32_t)) < 0 ||
-        op->upload(be, sc->pos, s->host_pos, (size_t)n * sizeof(int32_t)) < 0)
-        goto backend_fail;
-    /* the sampler's RNG and recent tokens, as this draw must see them */
-    if (do_sample && op->upload(be, s->sample_state, sample, sample_bytes) < 0) goto backend_fail;
-
-    /* A decode step (one token, nothing captured) on a backend that can record: the ops are
-     * recorded once and the recording is replayed at every later step, one launch instead of
-     * hundreds. Only the uploaded id, position and sampler state differ between replays. */
-    const int replayable = n == 1 && n_captured == 0 && want_head && op->replay && !s->no_replay;
-    const int do_argmax = (replayable && !do_sample) || argmax || s->want[CAP_ARGMAX];
-    void **slot = &s->decode_rec[do_sample ? 1 + do_argmax : 0];
-    if (replayable && *slot) {
-        if (op->replay(be, *slot) < 0) goto backend_fail;
-    } else if (replayable && op->record_begin(be) == 0) {
+    void **slot = &s->decode_rec[p->do_sample ? 1 + p->do_argmax : 0];
+    if (*slot == NULL) {
         void *rec = NULL;
-        int ran = forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, do_sample, scores,
-                              probs, capture, err);
-        if (op->record_end(be, &rec) == 0 && ran == 0) {
-            *slot = rec;
-            if (op->replay(be, rec) < 0) goto backend_fail;
-        } else {
-            /* not recordable here after all: run the ops plainly from now on */
+        if (op->record_begin(be) < 0) {
+            s->no_replay = 1;
+            return 0;
+        }
+        const int ran = forward_chunk(s, p, 0, 1, err);
+        if (op->record_end(be, &rec) < 0 || ran < 0) {
+            /* not recordable on this backend after all: op by op from now on */
             op->recording_free(be, rec);
             s->no_replay = 1;
-            if (forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, do_sample, scores,
-                            probs, capture, err) < 0)
-                return -1;
+            return 0;
         }
-    } else if (forward_ops(s, n, n_kv, rows, all_logits, want_head, do_argmax, do_sample, scores,
-                           probs, capture, err) < 0) {
+        *slot = rec;
+    }
+    if (op->replay(be, *slot) < 0) return qc_fail(err, be->err.kind, "%s", be->err.msg);
+    return 1;
+}
+
+int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *res, qc_error *err) {
+    const qc_config *c = &s->m->cfg;
+    qc_backend *be = s->be;
+    const qc_backend_ops *op = be->ops;
+    eval_plan plan, *p = &plan;
+
+    /* Everything that can be wrong with the request is checked before any work. */
+    if (qc_session_check(s, req, err) < 0) return -1;
+    plan_eval(s, req, res, p);
+    if (capture_prepare(s, p, err) < 0) return -1;
+    p->want_head = req->want_logits || p->do_sample || s->slot[CAP_OUTPUT_NORM] >= 0 ||
+                   s->slot[CAP_LOGITS] >= 0 || s->slot[CAP_ARGMAX] >= 0;
+    const int replayable = p->n == 1 && p->n_captured == 0 && p->want_head && op->replay && !s->no_replay;
+    p->defer_download = replayable;
+    p->do_argmax = (replayable && !p->do_sample) || req->want_logits || s->slot[CAP_ARGMAX] >= 0;
+
+    const size_t sample_bytes = p->do_sample ? sizeof *req->sample + (size_t)req->sample->n_history * sizeof(int32_t) : 0;
+    const int chunk = p->n < s->chunk ? p->n : s->chunk;
+    if (ensure_rows(s, chunk, err) < 0) return -1;
+    if (p->want_head && ensure_logit_rows(s, p->head_rows < QC_HEAD_ROWS ? p->head_rows : QC_HEAD_ROWS, err) < 0)
         return -1;
+    if (p->do_sample && ensure_sampling(s, sample_bytes, err) < 0) return -1;
+    /* the sampler's RNG and recent tokens, as this draw must see them */
+    if (p->do_sample && op->upload(be, s->sample_state, req->sample, sample_bytes) < 0) goto backend_fail;
+
+    if (replayable) {
+        if (upload_chunk(s, p, 0, 1, err) < 0) return -1;
+        const int replayed = decode_replayed(s, p, err);
+        if (replayed < 0) return -1;
+        if (!replayed && forward_chunk(s, p, 0, 1, err) < 0) return -1;
+        if (req->want_logits &&
+            (op->download(be, res->logits, s->logits, (size_t)c->n_vocab * sizeof(float)) < 0 ||
+             op->download(be, res->argmax, s->amax, sizeof(int32_t)) < 0))
+            goto backend_fail;
+    } else {
+        for (int c0 = 0; c0 < p->n; c0 += chunk) {
+            const int nc = p->n - c0 < chunk ? p->n - c0 : chunk;
+            if (upload_chunk(s, p, c0, nc, err) < 0 || forward_chunk(s, p, c0, nc, err) < 0) return -1;
+        }
     }
 
     /* a download waits for the work before it; without one, wait here */
-    const int downloaded = want_head && (argmax || logits || do_sample);
-    if (do_sample && op->download(be, drawn, s->sample_result, sizeof *drawn) < 0) goto backend_fail;
-    if (want_head) {
-        if (argmax && op->download(be, argmax, s->amax, (size_t)rows * sizeof(int32_t)) < 0)
-            goto backend_fail;
-        if (logits && op->download(be, logits, s->logits,
-                                   (size_t)rows * (size_t)c->n_vocab * sizeof(float)) < 0)
-            goto backend_fail;
-    }
-    if (!downloaded && op->synchronize(be) < 0) goto backend_fail;
-    if (do_sample && drawn->token < 0)   /* the eval stays undone: the position does not move */
+    if (p->do_sample && op->download(be, &res->drawn, s->sample_result, sizeof res->drawn) < 0) goto backend_fail;
+    if (!p->do_sample && !req->want_logits && op->synchronize(be) < 0) goto backend_fail;
+    if (p->do_sample && res->drawn.token < 0)   /* the eval stays undone: the position does not move */
         return qc_fail(err, QC_ERR_VALUE, "no token can be sampled: every logit is NaN or -inf");
 
     /* the tokens are in the cache now: the next eval starts after them */
-    s->pos += n;
+    s->pos += p->n;
     return 0;
 backend_fail:
     qc_fail(err, be->err.kind, "%s", be->err.msg);

@@ -11,6 +11,15 @@ extern "C" {
 
 enum { QC_DTYPE_F32 = 0, QC_DTYPE_I32 = 1 };
 
+/* ---- capture names (DESIGN.md): the one list; Python reads it through _core ---- */
+
+/* Global names: embed, output_norm, logits, argmax. */
+int qc_capture_global_count(void);
+const char *qc_capture_global_name(int i);
+/* Per-layer names, in forward order (blk.L.<name>): attn_norm, q, k, v, q_rope, ... resid_out. */
+int qc_capture_layer_count(void);
+const char *qc_capture_layer_name(int i);
+
 /* One captured tensor, copied to host memory. */
 typedef struct {
     char name[64];            /* capture name, e.g. "blk.3.q_rope" (DESIGN.md) */
@@ -35,27 +44,58 @@ typedef struct {
 
 typedef struct qc_session qc_session;
 
-int qc_session_create(qc_model *m, int max_ctx, qc_session **out, qc_error *err);
+/* kv_type: QC_KV_F32 or QC_KV_F16 (backend.h). */
+int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, qc_error *err);
 void qc_session_free(qc_session *s);   /* NULL ok */
 int qc_session_position(const qc_session *s);
 int qc_session_max_context(const qc_session *s);
+int qc_session_kv_type(const qc_session *s);
 void qc_session_reset(qc_session *s);
 int qc_session_rewind(qc_session *s, int n, qc_error *err);
 
-/* Run n tokens at positions position..position+n-1 and advance the position by n.
- * ids are checked against n_vocab and the context is checked against max_ctx before any work
- * (QC_ERR_RANGE; the session is unchanged on error).
- * logits: host [n][n_vocab] when all_logits, else [1][n_vocab] for the last token; may be NULL.
- * argmax: host [n] or [1] likewise; may be NULL.
- * spec/capture: tensors whose names match spec are appended to capture; either may be NULL.
- * sample: when not NULL (a sampler's state, qc_sampler_export), one draw from the last token's
- * logits on the backend (the sample op; inside the recorded decode step on CUDA) into *drawn:
- * the token and the RNG state after it, for qc_sampler_set_rng. No logits reach the host for
- * it. A draw that finds every logit NaN or -inf fails (QC_ERR_VALUE) and leaves the position. */
-int qc_session_eval(qc_session *s, const int32_t *ids, int n, int all_logits,
-                    const qc_capture_spec *spec, qc_capture *capture,
-                    float *logits, int32_t *argmax, const qc_sample_state *sample,
-                    qc_sample_result *drawn, qc_error *err);
+/* Tokens one forward pass computes at most: a longer eval runs in chunks of this many (the
+ * scratch activations stay bounded); >= 1. */
+int qc_session_chunk(const qc_session *s);
+int qc_session_set_chunk(qc_session *s, int chunk, qc_error *err);
+
+/* Bytes of host memory one eval may fill with captures and logits before it is refused with
+ * QC_ERR_NOMEM (nothing allocated, nothing run). 0 = the default: half of the memory the system
+ * has available at the time of the eval (MemAvailable). */
+size_t qc_session_capture_budget(const qc_session *s);   /* the budget in force now */
+void qc_session_set_capture_budget(qc_session *s, size_t bytes);
+
+/* One eval: n tokens at positions position .. position + n - 1. */
+typedef struct {
+    const int32_t *ids;
+    int n;
+    int all_logits;               /* logits and argmax rows: every token (1) or the last (0) */
+    int want_logits;              /* the caller takes logits and argmax (qc_eval_result) */
+    const qc_capture_spec *spec;  /* tensors whose names match are captured; NULL: none */
+    /* query rows (0 .. n-1, strictly increasing) whose attn_scores / attn_probs are captured:
+     * those tensors are then (n_head, n_attn_rows, n_kv), O(n) memory per row; NULL: all rows */
+    const int32_t *attn_rows;
+    int n_attn_rows;
+    /* a sampler's state (qc_sampler_export): one draw from the last token's logits on the
+     * backend (inside the recorded decode step on CUDA); NULL: no draw */
+    const qc_sample_state *sample;
+} qc_eval_request;
+
+typedef struct {
+    float *logits;                /* host [rows][n_vocab] (rows = n or 1), when want_logits */
+    int32_t *argmax;              /* host [rows], when want_logits */
+    qc_capture capture;           /* filled by the eval; the caller frees it */
+    qc_sample_result drawn;       /* the draw and the RNG after it, when sample */
+} qc_eval_result;
+
+/* Everything that can be wrong with req, checked before any allocation or work: ids against
+ * n_vocab, the context against max_ctx (QC_ERR_RANGE), attn_rows, the sampler state, and the
+ * host memory of its captures and logits against the capture budget (QC_ERR_NOMEM, with the
+ * size). qc_session_eval runs it first; callers may run it before they allocate the logits. */
+int qc_session_check(const qc_session *s, const qc_eval_request *req, qc_error *err);
+
+/* Run req and advance the position by n (the session is unchanged on error). A draw that finds
+ * every logit NaN or -inf fails (QC_ERR_VALUE) and leaves the position. */
+int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *res, qc_error *err);
 
 #ifdef __cplusplus
 }

@@ -1,4 +1,6 @@
-/* attention.cu: causal GQA attention over the KV cache, one kernel for prefill and decode.
+/* attention.cu: causal GQA attention over the KV cache in fp32 arithmetic: the exact path (an
+ * F32 cache, and every eval that captures scores or probabilities, over either cache type). An
+ * F16 cache's other evals go to flash_attention.cu's tensor-core kernels.
  *
  * Query t, head h attends keys 0..pos[t] of KV head h / (n_head / n_head_kv) with scale
  * 1/sqrt(head_dim). One block per (head, token); the block's threads form groups of G lanes
@@ -39,20 +41,20 @@ __device__ __forceinline__ void qc_att_load_q(const float *qv, int head_dim, int
 /* Online softmax of one group over keys first, first + stride, ... <= last of one KV head
  * (k and v point at that head in key 0's row): running max m, sum l and output acc. When srow is
  * not NULL, lane 0 writes each scaled score below n_kv. */
-template <int G>
-__device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], const float *k,
-                                            const float *v, int kv_dim, int head_dim, float scale,
+template <int G, typename KV>
+__device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], const KV *k,
+                                            const KV *v, int kv_dim, int head_dim, float scale,
                                             int first, int stride, int last, unsigned gmask,
                                             int lane, float *srow, int n_kv, float &m, float &l,
                                             float (&acc)[QC_ATT_MAXD]) {
     for (int j = first; j <= last; j += stride) {
-        const float *kr = k + (int64_t)j * kv_dim;
-        const float *vr = v + (int64_t)j * kv_dim;
+        const KV *kr = k + (int64_t)j * kv_dim;
+        const KV *vr = v + (int64_t)j * kv_dim;
         float s = 0.0f;
 #pragma unroll
         for (int i = 0; i < QC_ATT_MAXD; i++) {
             const int d = lane + i * G;
-            if (d < head_dim) s = fmaf(qr[i], kr[d], s);
+            if (d < head_dim) s = fmaf(qr[i], qc_kv_get(kr + d), s);
         }
 #pragma unroll
         for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(gmask, s, off, G);
@@ -65,7 +67,7 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
 #pragma unroll
         for (int i = 0; i < QC_ATT_MAXD; i++) {
             const int d = lane + i * G;
-            if (d < head_dim) acc[i] = fmaf(p, vr[d], acc[i] * corr);
+            if (d < head_dim) acc[i] = fmaf(p, qc_kv_get(vr + d), acc[i] * corr);
         }
         m = m_new;
     }
@@ -102,10 +104,10 @@ __device__ __forceinline__ float qc_att_merged(const float *smem, int groups, in
     return v;
 }
 
-template <int G>
+template <int G, typename KV>
 __global__ void __launch_bounds__(QC_ATT_THREADS_SHORT)
-qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cache,
-                    const float *__restrict__ v_cache, const int32_t *__restrict__ pos, int n,
+qc_attention_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
+                    const KV *__restrict__ v_cache, const int32_t *__restrict__ pos, int n,
                     int n_kv, int n_head, int n_head_kv, int head_dim, float scale,
                     float *__restrict__ out, float *scores, float *probs) {
     extern __shared__ float smem[];
@@ -122,8 +124,8 @@ qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cac
     qc_att_load_q<G>(qv, head_dim, lane, qr, acc);
     float m = -INFINITY, l = 0.0f;
     float *srow = scores ? scores + ((int64_t)h * n + t) * n_kv : nullptr;
-    qc_att_keys<G>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
-                   kv_dim, head_dim, scale, group, groups, last, gmask, lane, srow, n_kv, m, l, acc);
+    qc_att_keys<G, KV>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
+                       kv_dim, head_dim, scale, group, groups, last, gmask, lane, srow, n_kv, m, l, acc);
 
     const float M = qc_att_publish<G>(smem, group, groups, lane, head_dim, m, l, acc);
     const float L = qc_att_merged(smem, groups, head_dim, M, -1);
@@ -146,9 +148,9 @@ qc_attention_kernel(const float *__restrict__ q, const float *__restrict__ k_cac
         float *prow = probs + ((int64_t)h * n + t) * n_kv;
         for (int j = threadIdx.x; j < n_kv; j += blockDim.x) {
             if (j <= last) {
-                const float *kr = k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
+                const KV *kr = k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim;
                 float s = 0.0f;
-                for (int d = 0; d < head_dim; d++) s = fmaf(qv[d], kr[d], s);
+                for (int d = 0; d < head_dim; d++) s = fmaf(qv[d], qc_kv_get(kr + d), s);
                 prow[j] = expf(s * scale - M) * inv_L;
             } else {
                 prow[j] = 0.0f;
@@ -214,7 +216,7 @@ qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
     qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
     float m = -INFINITY, l = 0.0f;
-    qc_att_keys<G>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
+    qc_att_keys<G, float>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
                    kv_dim, head_dim, scale, split * groups + group, splits * groups, pos[t], gmask,
                    lane, nullptr, 0, m, l, acc);
 
@@ -243,15 +245,38 @@ qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__
                         out + pair * head_dim, weight);
 }
 
-int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
-                      const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
-                      int head_dim, float *out, float *scores, float *probs) {
+/* The exact kernel, one block per (head, token), for a cache of KV. */
+template <typename KV>
+static void launch_exact(int G, dim3 grid, int threads, size_t smem, cudaStream_t st, const float *q,
+                         const KV *k_cache, const KV *v_cache, const int32_t *pos, int n, int n_kv,
+                         int n_head, int n_head_kv, int head_dim, float scale, float *out,
+                         float *scores, float *probs) {
+    switch (G) {
+#define QC_CASE_(g)                                                                              \
+    case g:                                                                                      \
+        qc_attention_kernel<g, KV><<<grid, threads, smem, st>>>(                                 \
+            q, k_cache, v_cache, pos, n, n_kv, n_head, n_head_kv, head_dim, scale, out, scores,  \
+            probs);                                                                              \
+        break;
+        QC_CASE_(1) QC_CASE_(2) QC_CASE_(4) QC_CASE_(8) QC_CASE_(16) QC_CASE_(32)
+#undef QC_CASE_
+    }
+}
+
+int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
+                      int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
+                      float *probs) {
     qc_cuda *cu = qc_cuda_of(be);
     if (n <= 0) return 0;
     if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
         return qc_cuda_value_error(be, "attention: n_head %d is not a multiple of n_head_kv %d", n_head, n_head_kv);
     if (head_dim <= 0 || head_dim > 32 * QC_ATT_MAXD)
         return qc_cuda_value_error(be, "attention: head_dim %d is not in 1..%d", head_dim, 32 * QC_ATT_MAXD);
+    if (cache.type != QC_KV_F32 && cache.type != QC_KV_F16)
+        return qc_cuda_value_error(be, "attention: unknown KV cache type %d", cache.type);
+    /* an F16 cache without captured scores: the tensor-core kernels (flash_attention.cu) */
+    if (!scores && !probs && cache.type == QC_KV_F16 && qc_cuda_flash_head_dim(head_dim))
+        return qc_cuda_flash_attention(be, q, cache, pos, n, n_head, n_head_kv, head_dim, out);
     if (n > 65535) return qc_cuda_value_error(be, "attention: %d queries in one call (at most 65535)", n);
     /* G: the smallest power of two with G * QC_ATT_MAXD >= head_dim, at least head_dim / 4, so a
      * lane holds about four dimensions (64 -> 16 lanes per key, 128 -> 32) */
@@ -261,6 +286,8 @@ int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, cons
     const size_t part_floats = (size_t)n * (size_t)n_head * QC_ATT_SPLITS * (size_t)(head_dim + 2);
     if (!scores && !probs && n <= QC_GEMV_MAX_TOKENS && part_floats <= QC_ATT_PART_FLOATS &&
         (int64_t)n * n_head <= QC_ATT_PAIRS) {
+        /* an F32 cache's decode step: split-K over the keys */
+        const float *k_cache = (const float *)cache.k, *v_cache = (const float *)cache.v;
         const int groups = QC_ATT_SPLIT_THREADS / G;
         const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
         const dim3 grid((unsigned)n_head, QC_ATT_SPLITS, (unsigned)n);
@@ -281,15 +308,13 @@ int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, cons
     const int groups = threads / G;
     const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
     const dim3 grid((unsigned)n_head, (unsigned)n);
-    switch (G) {
-#define QC_CASE_(g)                                                                              \
-    case g:                                                                                      \
-        qc_attention_kernel<g><<<grid, threads, smem, cu->stream>>>(                          \
-            q, k_cache, v_cache, pos, n, n_kv, n_head, n_head_kv, head_dim, scale, out, scores,  \
-            probs);                                                                              \
-        break;
-        QC_CASE_(1) QC_CASE_(2) QC_CASE_(4) QC_CASE_(8) QC_CASE_(16) QC_CASE_(32)
-#undef QC_CASE_
-    }
+    if (cache.type == QC_KV_F16)
+        launch_exact<__half>(G, grid, threads, smem, cu->stream, q, (const __half *)cache.k,
+                             (const __half *)cache.v, pos, n, n_kv, n_head, n_head_kv, head_dim, scale,
+                             out, scores, probs);
+    else
+        launch_exact<float>(G, grid, threads, smem, cu->stream, q, (const float *)cache.k,
+                            (const float *)cache.v, pos, n, n_kv, n_head, n_head_kv, head_dim, scale,
+                            out, scores, probs);
     return QC_LAUNCHED(be, "qc_attention_kernel");
 }

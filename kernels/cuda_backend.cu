@@ -1,7 +1,7 @@
 /* cuda_backend.cu: the CUDA implementation of backend.h: device selection, one stream and one
  * cuBLAS handle per backend, memory, weights (uploaded as stored: no float copy of the model),
  * and the ops table whose entries are the launchers of the op files (embed.cu, rmsnorm.cu,
- * matmul.cu, matmul_multi.cu, matmul_swiglu.cu, rope.cu, kv_store.cu, attention.cu,
+ * matmul.cu, matmul_multi.cu, matmul_swiglu.cu, rope.cu, kv_store.cu, attention.cu, flash_attention.cu,
  * elementwise.cu, argmax.cu, sample.cu).
  *
  * Every CUDA/cuBLAS call goes through QC_CUDA / QC_CUBLAS (qc_cuda.cuh), which name the call,
@@ -172,17 +172,17 @@ static int op_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_he
 }
 
 static int op_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
-                       int kv_dim, float *k_cache, float *v_cache) {
+                       int kv_dim, qc_kv_cache cache) {
     if (use_device(be) < 0) return -1;
-    return qc_cuda_kv_store(be, k, v, pos, n, kv_dim, k_cache, v_cache);
+    return qc_cuda_kv_store(be, k, v, pos, n, kv_dim, cache);
 }
 
-static int op_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
-                        const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
-                        int head_dim, float *out, float *scores, float *probs) {
+static int op_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
+                        int n, int n_kv, int n_head, int n_head_kv, int head_dim, float *out,
+                        float *scores, float *probs) {
     if (use_device(be) < 0) return -1;
-    return qc_cuda_attention(be, q, k_cache, v_cache, pos, n, n_kv, n_head, n_head_kv, head_dim,
-                             out, scores, probs);
+    return qc_cuda_attention(be, q, cache, pos, n, n_kv, n_head, n_head_kv, head_dim, out, scores,
+                             probs);
 }
 
 static int op_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out) {
@@ -226,10 +226,9 @@ static int op_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_we
 
 static int op_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                             int n, int n_head, int n_head_kv, int head_dim, float theta,
-                            float *k_cache, float *v_cache) {
+                            qc_kv_cache cache) {
     if (use_device(be) < 0) return -1;
-    return qc_cuda_rope_kv_store(be, q, k, v, pos, n, n_head, n_head_kv, head_dim, theta, k_cache,
-                                 v_cache);
+    return qc_cuda_rope_kv_store(be, q, k, v, pos, n, n_head, n_head_kv, head_dim, theta, cache);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -358,6 +357,10 @@ extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *er
     if ((bs = cublasCreate(&cu->blas)) != CUBLAS_STATUS_SUCCESS ||
         (bs = cublasSetStream(cu->blas, cu->stream)) != CUBLAS_STATUS_SUCCESS) {
         qc_fail(err, QC_ERR_CUDA, "cuda:%d: cuBLAS setup failed: %s", device, cublasGetStatusString(bs));
+        goto fail;
+    }
+    if (qc_cuda_flash_attention_init(be) < 0) {
+        qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);
         goto fail;
     }
     *out = be;

@@ -10,6 +10,7 @@
 #ifndef QC_CUDA_CUH
 #define QC_CUDA_CUH
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 #include <stdint.h>
@@ -92,10 +93,18 @@ int qc_cuda_matmul(qc_backend *be, const qc_weight *w, const float *bias, const 
 int qc_cuda_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
                  float theta);
 int qc_cuda_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
-                     int kv_dim, float *k_cache, float *v_cache);
-int qc_cuda_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
-                      const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv,
-                      int head_dim, float *out, float *scores, float *probs);
+                     int kv_dim, qc_kv_cache cache);
+int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
+                      int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
+                      float *probs);                                          /* attention.cu */
+/* The tensor-core flash attention over an F16 cache (flash_attention.cu): the attention op
+ * without scores or probabilities, for any n (decode splits the keys over blocks). */
+int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
+                            int n, int n_head, int n_head_kv, int head_dim, float *out);
+/* Once per backend, before any recording: the flash kernels' shared-memory allowance. */
+int qc_cuda_flash_attention_init(qc_backend *be);
+/* Whether qc_cuda_flash_attention takes this head_dim. */
+static inline int qc_cuda_flash_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 int qc_cuda_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
 int qc_cuda_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
 int qc_cuda_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
@@ -113,7 +122,14 @@ int qc_cuda_norm_to_scratch(qc_backend *be, const float *x, const float *norm_w,
                             float eps, const float **normed);
 int qc_cuda_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                           int n, int n_head, int n_head_kv, int head_dim, float theta,
-                          float *k_cache, float *v_cache);                        /* rope.cu */
+                          qc_kv_cache cache);                                     /* rope.cu */
+
+/* A cache element from float32 (round to nearest even) and back: the one conversion every
+ * kernel that writes or reads a KV cache uses. */
+__device__ __forceinline__ void qc_kv_put(float *p, float x) { *p = x; }
+__device__ __forceinline__ void qc_kv_put(__half *p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ float qc_kv_get(const float *p) { return *p; }
+__device__ __forceinline__ float qc_kv_get(const __half *p) { return __half2float(*p); }
 
 /* Dequantize rows [row0, row0 + nrows) of w into dst, row-major (nrows, w->cols), as f16
  * (half_out != 0) or f32. Used by matmul's cuBLAS path. */

@@ -51,12 +51,14 @@ int qc_cuda_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_head
 }
 
 /* Per token, items [0, (n_head + n_head_kv) * half) are the pairs of q's heads and then k's
- * (a k pair also goes to k_cache), and the next kv_dim items copy v into v_cache. */
+ * (a k pair also goes to k_cache), and the next kv_dim items copy v into v_cache; the cache
+ * stores them as KV (qc_kv_put). */
+template <typename KV>
 __global__ void qc_rope_kv_store_kernel(float *__restrict__ q, float *__restrict__ k,
                                         const float *__restrict__ v,
                                         const int32_t *__restrict__ pos, int n, int n_head,
                                         int n_head_kv, int head_dim, double theta,
-                                        float *__restrict__ k_cache, float *__restrict__ v_cache) {
+                                        KV *__restrict__ k_cache, KV *__restrict__ v_cache) {
     const int half = head_dim / 2;
     const int64_t kv_dim = (int64_t)n_head_kv * head_dim;
     const int64_t pairs = (int64_t)(n_head + n_head_kv) * half;
@@ -74,26 +76,33 @@ __global__ void qc_rope_kv_store_kernel(float *__restrict__ q, float *__restrict
             } else {
                 const int64_t off = (int64_t)(h - n_head) * head_dim;   /* KV head within the row */
                 const float2 rot = qc_rope_pair(k + t * kv_dim + off, i, head_dim, pos[t], theta);
-                k_cache[row + off + i] = rot.x;
-                k_cache[row + off + i + half] = rot.y;
+                qc_kv_put(k_cache + row + off + i, rot.x);
+                qc_kv_put(k_cache + row + off + i + half, rot.y);
             }
         } else {
             const int64_t e = item - pairs;
-            v_cache[row + e] = v[t * kv_dim + e];
+            qc_kv_put(v_cache + row + e, v[t * kv_dim + e]);
         }
     }
 }
 
 int qc_cuda_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                           int n, int n_head, int n_head_kv, int head_dim, float theta,
-                          float *k_cache, float *v_cache) {
+                          qc_kv_cache cache) {
     qc_cuda *cu = qc_cuda_of(be);
     if (head_dim % 2 != 0 || head_dim <= 0 || n_head <= 0 || n_head_kv <= 0)
         return qc_cuda_value_error(be, "rope_kv_store: bad shape heads=%d kv_heads=%d head_dim=%d", n_head,
                                    n_head_kv, head_dim);
     const int64_t total = (int64_t)n * ((int64_t)(n_head + n_head_kv) * (head_dim / 2) + (int64_t)n_head_kv * head_dim);
     if (total <= 0) return 0;
-    qc_rope_kv_store_kernel<<<qc_grid_for(total, 256, 65535), 256, 0, cu->stream>>>(
-        q, k, v, pos, n, n_head, n_head_kv, head_dim, (double)theta, k_cache, v_cache);
+    const unsigned grid = qc_grid_for(total, 256, 65535);
+    if (cache.type == QC_KV_F16)
+        qc_rope_kv_store_kernel<__half><<<grid, 256, 0, cu->stream>>>(
+            q, k, v, pos, n, n_head, n_head_kv, head_dim, (double)theta, (__half *)cache.k, (__half *)cache.v);
+    else if (cache.type == QC_KV_F32)
+        qc_rope_kv_store_kernel<float><<<grid, 256, 0, cu->stream>>>(
+            q, k, v, pos, n, n_head, n_head_kv, head_dim, (double)theta, (float *)cache.k, (float *)cache.v);
+    else
+        return qc_cuda_value_error(be, "rope_kv_store: unknown KV cache type %d", cache.type);
     return QC_LAUNCHED(be, "qc_rope_kv_store_kernel");
 }

@@ -46,6 +46,7 @@ _LAZY = {
     "dequantize": ("gguf", "dequantize"),
     "Model": ("model", "Model"),
     "Session": ("model", "Session"),
+    "set_capture_budget": ("model", "set_capture_budget"),
     "Trace": ("trace", "Trace"),
     "capture_names": ("trace", "capture_names"),
     "Tokenizer": ("tokenizer", "Tokenizer"),

@@ -159,6 +159,17 @@ def _f32(x, name, ndim=None):
     return a
 
 
+def _cache(x, name):
+    """A KV cache argument: float16 stays float16 (an F16 cache), anything else is float32."""
+    if isinstance(x, np.ndarray) and x.dtype == np.float16:
+        a = np.ascontiguousarray(x)
+    else:
+        a = np.ascontiguousarray(x, dtype=np.float32)
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (max_ctx, n_head_kv * head_dim), got shape {a.shape}")
+    return a
+
+
 def _i32(x, name, n=None):
     a = np.asarray(x)
     if a.ndim == 0:
@@ -229,11 +240,12 @@ def rope(x, pos, theta=1e6, device="cpu"):
 
 
 def kv_store(k, v, pos, k_cache, v_cache, device="cpu"):
-    """Copies of the caches (max_ctx, kv_dim) with rows pos[t] set to k[t] and v[t]."""
+    """Copies of the caches (max_ctx, kv_dim) with rows pos[t] set to k[t] and v[t]. float16
+    caches are F16 caches (the values rounded to nearest even, as numpy's astype), else float32."""
     k = _f32(k, "k", 2)
     v = _f32(v, "v", 2)
-    k_cache = _f32(k_cache, "k_cache", 2)
-    v_cache = _f32(v_cache, "v_cache", 2)
+    k_cache = _cache(k_cache, "k_cache")
+    v_cache = _cache(v_cache, "v_cache")
     if k.shape != v.shape:
         raise ValueError(f"kv_store: k {k.shape} and v {v.shape} differ")
     if k_cache.shape != v_cache.shape or k_cache.shape[1] != k.shape[1]:
@@ -250,10 +262,15 @@ def attention(q, k_cache, v_cache, pos, n_head_kv, n_kv=None, scores=False, devi
     h // (n_head // n_head_kv); scale 1/sqrt(head_dim). n_kv defaults to max(pos) + 1.
 
     Returns out (tokens, n_head * head_dim), or with scores=True the tuple (out, scores, probs),
-    both (n_head, tokens, n_kv): scaled scores with -inf where masked, and the softmax."""
+    both (n_head, tokens, n_kv): scaled scores with -inf where masked, and the softmax.
+
+    float16 caches are F16 caches: on CUDA, without scores and for head_dim 64 or 128, the
+    tensor-core flash kernels run (q and the probabilities rounded to f16, fp32 accumulation;
+    key-split blocks for up to GEMV_MAX_TOKENS queries); with scores, and on the CPU, the exact
+    fp32 path over the cache's values."""
     q = _f32(q, "q", 3)
-    k_cache = _f32(k_cache, "k_cache", 2)
-    v_cache = _f32(v_cache, "v_cache", 2)
+    k_cache = _cache(k_cache, "k_cache")
+    v_cache = _cache(v_cache, "v_cache")
     n, n_head, hd = q.shape
     n_head_kv = int(n_head_kv)
     if n_head_kv < 1 or n_head % n_head_kv:
@@ -403,8 +420,8 @@ def rope_kv_store(q, k, v, pos, k_cache, v_cache, theta=1e6, device="cpu"):
     q = _f32(q, "q", 3)
     k = _f32(k, "k", 3)
     v = _f32(v, "v", 3)
-    k_cache = _f32(k_cache, "k_cache", 2)
-    v_cache = _f32(v_cache, "v_cache", 2)
+    k_cache = _cache(k_cache, "k_cache")
+    v_cache = _cache(v_cache, "v_cache")
     n, _, hd = q.shape
     if hd % 2:
         raise ValueError(f"rope_kv_store: head_dim {hd} must be even")

@@ -18,6 +18,48 @@ from .trace import Trace, capture_names
 
 DEFAULT_MAX_CONTEXT = 4096
 
+# The capture budget new sessions start with (bytes; None: half of the memory available at each
+# eval). qwencuda.set_capture_budget sets it; Session.capture_budget overrides it per session.
+_capture_budget = None
+
+
+def set_capture_budget(nbytes):
+    """Bytes of host memory one eval may fill with captures and logits before it raises
+    MemoryError (nothing allocated, nothing run), for sessions made from now on (Model.forward's
+    too). None restores the default: half of the memory the system has available at the time of
+    each eval."""
+    global _capture_budget
+    if nbytes is not None:
+        if isinstance(nbytes, bool) or int(nbytes) != nbytes or nbytes < 1:
+            raise ValueError(f"capture budget must be a positive number of bytes or None, got {nbytes!r}")
+        nbytes = int(nbytes)
+    _capture_budget = nbytes
+
+
+def _kv_type(kv_type, device):
+    """None: F16 on CUDA (half the memory, the tensor-core attention), F32 on the CPU."""
+    if kv_type is None:
+        return "f16" if device.startswith("cuda") else "f32"
+    if kv_type not in ("f16", "f32"):
+        raise ValueError(f"kv_type must be 'f16', 'f32' or None, got {kv_type!r}")
+    return kv_type
+
+
+def _attn_rows(attn_rows, n):
+    """attn_rows (None, an int or ints; negative counts from the end) -> sorted unique int64 rows."""
+    if attn_rows is None:
+        return None
+    a = np.asarray(attn_rows).reshape(-1)
+    if a.size == 0:
+        raise ValueError("attn_rows selects no query row (None: every row)")
+    if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"attn_rows must be ints (query rows, negative from the end), got {a.dtype}")
+    a = a.astype(np.int64)
+    bad = a[(a < -n) | (a >= n)]
+    if bad.size:
+        raise ValueError(f"attn_rows: row {int(bad[0])} is not in [-{n}, {n}) for {n} tokens")
+    return np.unique(np.where(a < 0, a + n, a))
+
 
 @dataclass(frozen=True)
 class Config:
@@ -61,8 +103,8 @@ def _patterns(capture, names):
     return pats or None
 
 
-def _ids(ids, n_vocab, start):
-    """A 1-D int array of token ids, each in [0, n_vocab)."""
+def _ids(ids):
+    """A 1-D int array of token ids (their range is the engine's to check)."""
     if isinstance(ids, (str, bytes)):
         raise TypeError("ids must be token ids (ints); encode text with model.tokenizer.encode()")
     a = np.asarray(ids)
@@ -79,20 +121,19 @@ def _ids(ids, n_vocab, start):
             raise TypeError("ids must be ints") from None
     if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
         raise TypeError(f"ids must be ints, got {a.dtype}")
-    bad = np.flatnonzero((a < 0) | (a >= n_vocab))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"token id {int(a[i])} at ids[{i}] (position {start + i}) is out of "
-                         f"range [0, {n_vocab})")
     return a.astype(np.int64, copy=False)
 
 
 class Session:
     """A KV cache over a Model: prefill(ids), then step(token), each at the current position."""
 
-    def __init__(self, model, max_context):
+    def __init__(self, model, max_context, kv_type=None, prefill_chunk=None):
         self._model = model
-        self._s = model._core_model().session(int(max_context))
+        self._s = model._core_model().session(int(max_context), _kv_type(kv_type, model.device))
+        if prefill_chunk is not None:
+            self._s.prefill_chunk = prefill_chunk
+        if _capture_budget is not None:
+            self._s.capture_budget = _capture_budget
 
     def _core(self):
         if self._s is None:
@@ -112,7 +153,32 @@ class Session:
     def closed(self) -> bool:
         return self._s is None or self._s.closed
 
-    def prefill(self, ids, capture=None, logits="last", sampler=None) -> Trace:
+    @property
+    def kv_type(self) -> str:
+        """The KV cache's element type: "f16" (the CUDA default) or "f32"."""
+        return self._core().kv_type
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Most tokens one forward pass computes; a longer prefill runs in chunks of this many
+        (same result, bounded scratch memory). Settable."""
+        return self._core().prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, n):
+        self._core().prefill_chunk = n
+
+    @property
+    def capture_budget(self) -> int:
+        """Bytes of host memory one eval's captures and logits may take (MemoryError beyond it).
+        Set a number of bytes, or None for the default (half of the available memory)."""
+        return self._core().capture_budget
+
+    @capture_budget.setter
+    def capture_budget(self, nbytes):
+        self._core().capture_budget = nbytes
+
+    def prefill(self, ids, capture=None, logits="last", sampler=None, attn_rows=None) -> Trace:
         """Run ids at positions position .. position + n - 1 and advance the position.
 
         logits: "last" (one row, default), "all" (a row per token) or None (none handed back;
@@ -121,22 +187,22 @@ class Session:
         sampler: a qwencuda.Sampler that draws the next token from the last position's logits
         on the session's device (Trace.token): the same chain and RNG as sampler.sample(row),
         so the sampler's state advances alike; accept the token yourself (sampler.accept). With
-        logits=None nothing but that token comes back from the device."""
+        logits=None nothing but that token comes back from the device.
+        attn_rows: the query rows (indices into ids; negative from the end) whose attn_scores /
+        attn_probs are captured, e.g. -1 for the last token: those captures are then
+        (n_head, len(attn_rows), n_kv), O(n) memory per row at any context length. None: all.
+        Captures and logits that would take more host memory than capture_budget raise
+        MemoryError before anything is allocated or run."""
         s = self._core()
-        if logits not in ("all", "last", None):
-            raise ValueError(f"logits must be 'all', 'last' or None, got {logits!r}")
-        cfg = self._model.config
-        a = _ids(ids, cfg.n_vocab, s.position)
-        if s.position + a.size > s.max_context:
-            raise ValueError(f"context full: {a.size} tokens at position {s.position} exceed "
-                             f"max_context {s.max_context}")
+        a = _ids(ids)
         pats = _patterns(capture, self._model.capture_names())
         core_sampler = None
         if sampler is not None:
             core_sampler = getattr(sampler, "_s", sampler)
             if not isinstance(core_sampler, _core.Sampler):
                 raise TypeError(f"sampler must be a qwencuda.Sampler, not {type(sampler).__name__}")
-        start, lg, am, tensors, token = s.eval(a, logits, pats, core_sampler)
+        rows = _attn_rows(attn_rows, a.size)
+        start, lg, am, tensors, token = s.eval(a, logits, pats, core_sampler, rows)
         n = a.size
         positions = np.arange(start, start + n, dtype=np.int32)
         logit_positions = None
@@ -144,7 +210,7 @@ class Session:
             logit_positions = positions if logits == "all" else positions[-1:]
         return Trace(tensors=tensors, logits=lg, argmax=am, ids=a.astype(np.int32),
                      positions=positions, logit_positions=logit_positions,
-                     source=self._model.device.split(":")[0], token=token)
+                     source=self._model.device.split(":")[0], token=token, kv_type=s.kv_type)
 
     def step(self, token, capture=None, logits="last", sampler=None) -> Trace:
         """Run one token; the Trace holds the logits of its position (logits="last") or not
@@ -178,7 +244,8 @@ class Session:
     def __repr__(self):
         if self.closed:
             return "<qwencuda.Session closed>"
-        return f"<qwencuda.Session position={self.position} max_context={self.max_context}>"
+        return (f"<qwencuda.Session position={self.position} max_context={self.max_context} "
+                f"kv_type={self.kv_type}>")
 
 
 class Model:
@@ -242,21 +309,26 @@ class Model:
         """Every capture name, in forward order."""
         return list(self._names)
 
-    def session(self, max_context=None) -> Session:
-        """A KV cache of max_context positions (default min(4096, the training context))."""
+    def session(self, max_context=None, kv_type=None, prefill_chunk=None) -> Session:
+        """A KV cache of max_context positions (default min(4096, the training context)).
+
+        kv_type: "f16" (default on CUDA: half the memory, tensor-core flash attention) or "f32"
+        (default on the CPU; on CUDA the exact fp32 attention). prefill_chunk: most tokens per
+        forward pass (None: 4096)."""
         self._core_model()
         if max_context is None:
             n_ctx = self.config.n_ctx_train
             max_context = min(DEFAULT_MAX_CONTEXT, n_ctx) if n_ctx > 0 else DEFAULT_MAX_CONTEXT
         if isinstance(max_context, bool) or int(max_context) != max_context or max_context < 1:
             raise ValueError(f"max_context must be an int >= 1, got {max_context!r}")
-        return Session(self, int(max_context))
+        return Session(self, int(max_context), kv_type=kv_type, prefill_chunk=prefill_chunk)
 
-    def forward(self, ids, capture=None, logits="all") -> Trace:
-        """One pass over ids from position 0 (a fresh KV cache) -> Trace."""
-        a = _ids(ids, self.config.n_vocab, 0)
-        with self.session(max_context=a.size) as s:
-            return s.prefill(a, capture=capture, logits=logits)
+    def forward(self, ids, capture=None, logits="all", kv_type=None, attn_rows=None) -> Trace:
+        """One pass over ids from position 0 (a fresh KV cache) -> Trace. kv_type and attn_rows
+        as in session() and Session.prefill()."""
+        a = _ids(ids)
+        with self.session(max_context=a.size, kv_type=kv_type) as s:
+            return s.prefill(a, capture=capture, logits=logits, attn_rows=attn_rows)
 
     def generate(self, *args, **kwargs):
         """Generate text; see qwencuda.generation.generate."""

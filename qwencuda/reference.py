@@ -65,17 +65,12 @@ FIRST_AFFECTED = {
     "argmax_unwritten": "logits",
 }
 
-_LAYER_CAPTURES = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_scores", "attn_probs",
-                   "attn_out", "attn_proj", "resid_mid", "ffn_norm", "gate", "up", "ffn_act",
-                   "ffn_out", "resid_out")
-
-
 def capture_names(n_layer: int) -> list[str]:
-    """Every capture name in forward order."""
-    names = ["embed"]
-    for i in range(n_layer):
-        names += [f"blk.{i}.{c}" for c in _LAYER_CAPTURES]
-    return names + ["output_norm", "logits", "argmax"]
+    """Every capture name in forward order: the engine's names (the reference's math is its own;
+    the names it files its tensors under are the one list of csrc/session.c)."""
+    from .trace import capture_names as engine_names
+
+    return engine_names(n_layer)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,25 +12,23 @@ import os
 
 import numpy as np
 
-# Per layer, in the order the forward pass produces them (DESIGN.md, docs/api.md).
-LAYER_NAMES = (
-    "attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_scores", "attn_probs", "attn_out",
-    "attn_proj", "resid_mid", "ffn_norm", "gate", "up", "ffn_act", "ffn_out", "resid_out",
-)
+from . import _core
 
 # Keys of the .npz that hold the Trace's own fields (capture names never start with "__").
-_META = ("ids", "positions", "logits", "argmax", "logit_positions", "source")
+_META = ("ids", "positions", "logits", "argmax", "logit_positions", "source", "kv_type")
 
 
 def capture_names(n_layer) -> list:
-    """Every capture name of a model with n_layer layers, in forward order."""
+    """Every capture name of a model with n_layer layers, in forward order: the engine's own
+    list (csrc/session.c), read through _core."""
     n_layer = int(n_layer)
     if n_layer < 0:
         raise ValueError(f"n_layer must be >= 0, got {n_layer}")
-    names = ["embed"]
-    for layer in range(n_layer):
-        names += [f"blk.{layer}.{n}" for n in LAYER_NAMES]
-    return names + ["output_norm", "logits", "argmax"]
+    return _core.capture_names(n_layer)
+
+
+# Per layer, in the order the forward pass produces them (DESIGN.md, docs/api.md).
+LAYER_NAMES = tuple(name.split(".", 2)[2] for name in capture_names(1)[1:-3])
 
 
 def _as_int32(a, what):
@@ -55,16 +53,18 @@ class Trace:
       source           "cpu", "cuda", "reference", ...
       token            the next token drawn by a sampler on the device (Session.prefill/step
                        with sampler=), else None
+      kv_type          the KV cache's element type of the session that ran it ("f16", "f32"),
+                       or None (the reference, loaded dumps)
 
     Dict-like: tr[name], name in tr, tr.keys(), tr.items(), len(tr), iter(tr) over the
     captured tensors.
     """
 
     __slots__ = ("tensors", "logits", "argmax", "ids", "positions", "logit_positions", "source",
-                 "token")
+                 "token", "kv_type")
 
     def __init__(self, tensors=None, logits=None, argmax=None, ids=None, positions=None,
-                 logit_positions=None, source="unknown", token=None):
+                 logit_positions=None, source="unknown", token=None, kv_type=None):
         self.tensors = dict(tensors or {})
         self.logits = None if logits is None else np.asarray(logits, dtype=np.float32)
         if self.logits is not None and self.logits.ndim == 1:
@@ -82,6 +82,7 @@ class Trace:
         self.logit_positions = _as_int32(logit_positions, "logit_positions")
         self.source = str(source)
         self.token = None if token is None else int(token)
+        self.kv_type = None if kv_type is None else str(kv_type)
 
     # ---- dict-like access to the captured tensors ----
     def __getitem__(self, name):
@@ -140,13 +141,15 @@ class Trace:
                     fields[key[2:-2]] = z[key]
                 else:
                     tensors[key] = z[key]
-        if "source" in fields:
-            fields["source"] = str(fields["source"])
+        for key in ("source", "kv_type"):
+            if key in fields:
+                fields[key] = str(fields[key])
         return cls(tensors=tensors, **fields)
 
     def __repr__(self):
         lines = [f"Trace(source={self.source!r}, tokens={0 if self.ids is None else len(self.ids)}"
-                 + ("" if self.logits is None else f", logits={tuple(self.logits.shape)}") + ")"]
+                 + ("" if self.logits is None else f", logits={tuple(self.logits.shape)}")
+                 + ("" if self.kv_type is None else f", kv_type={self.kv_type!r}") + ")"]
         if self.ids is not None and len(self.ids):
             shown = " ".join(str(int(i)) for i in self.ids[:16])
             lines.append(f"  ids: {shown}{' ...' if len(self.ids) > 16 else ''}"

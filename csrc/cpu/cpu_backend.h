@@ -28,10 +28,10 @@ int qc_cpu_matmul(qc_backend *be, const qc_weight *w, const float *bias, const f
 int qc_cpu_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
                 float theta);
 int qc_cpu_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
-                    int kv_dim, float *k_cache, float *v_cache);
-int qc_cpu_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
-                     const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv, int head_dim,
-                     float *out, float *scores, float *probs);
+                    int kv_dim, qc_kv_cache cache);
+int qc_cpu_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
+                     int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
+                     float *probs);
 int qc_cpu_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
 int qc_cpu_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
 int qc_cpu_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
@@ -45,6 +45,6 @@ int qc_cpu_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weigh
                          const float *x, int n, const float *norm_w, float eps, float *act);
 int qc_cpu_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                          int n, int n_head, int n_head_kv, int head_dim, float theta,
-                         float *k_cache, float *v_cache);
+                         qc_kv_cache cache);
 
 #endif /* QC_CPU_BACKEND_H */

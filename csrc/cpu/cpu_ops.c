@@ -402,16 +402,32 @@ static int positions_check(qc_backend *be, const int32_t *pos, int n, const char
     return 0;
 }
 
+/* Row `row` of one half of a cache (k or v), kv_dim wide, written from float32: F16 caches round
+ * to nearest even (the CUDA kernels' __float2half_rn), so both backends store the same bits. */
+static void cache_put_row(void *base, int type, int64_t row, const float *src, size_t kv_dim) {
+    if (type == QC_KV_F16) {
+        uint16_t *dst = (uint16_t *)base + (size_t)row * kv_dim;
+        for (size_t i = 0; i < kv_dim; i++) dst[i] = qc_fp32_to_fp16(src[i]);
+    } else {
+        memcpy((float *)base + (size_t)row * kv_dim, src, kv_dim * sizeof(float));
+    }
+}
+
+static int cache_check(qc_backend *be, qc_kv_cache cache, const char *op) {
+    if (cache.type != QC_KV_F32 && cache.type != QC_KV_F16)
+        return qc_fail(&be->err, QC_ERR_VALUE, "%s: unknown KV cache type %d", op, cache.type);
+    return 0;
+}
+
 int qc_cpu_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
-                    int kv_dim, float *k_cache, float *v_cache) {
+                    int kv_dim, qc_kv_cache cache) {
     if (n < 0 || kv_dim <= 0)
         return qc_fail(&be->err, QC_ERR_VALUE, "kv_store: bad shape n=%d kv_dim=%d", n, kv_dim);
-    if (positions_check(be, pos, n, "kv_store") < 0) return -1;
+    if (positions_check(be, pos, n, "kv_store") < 0 || cache_check(be, cache, "kv_store") < 0) return -1;
     /* The caller (session.c) keeps positions below the cache's max_ctx, which we cannot see. */
-    const size_t row = sizeof(float) * (size_t)kv_dim;
     for (int t = 0; t < n; t++) {
-        memcpy(k_cache + (size_t)pos[t] * (size_t)kv_dim, k + (size_t)t * (size_t)kv_dim, row);
-        memcpy(v_cache + (size_t)pos[t] * (size_t)kv_dim, v + (size_t)t * (size_t)kv_dim, row);
+        cache_put_row(cache.k, cache.type, pos[t], k + (size_t)t * (size_t)kv_dim, (size_t)kv_dim);
+        cache_put_row(cache.v, cache.type, pos[t], v + (size_t)t * (size_t)kv_dim, (size_t)kv_dim);
     }
     return 0;
 }
@@ -420,10 +436,10 @@ int qc_cpu_kv_store(qc_backend *be, const float *k, const float *v, const int32_
  * sines and cosines are computed once for both (the same float32 values rope uses). */
 int qc_cpu_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                          int n, int n_head, int n_head_kv, int head_dim, float theta,
-                         float *k_cache, float *v_cache) {
+                         qc_kv_cache cache) {
     if (rope_check(be, n, n_head, head_dim, theta, "rope_kv_store") < 0 ||
         rope_check(be, n, n_head_kv, head_dim, theta, "rope_kv_store") < 0 ||
-        positions_check(be, pos, n, "rope_kv_store") < 0)
+        positions_check(be, pos, n, "rope_kv_store") < 0 || cache_check(be, cache, "rope_kv_store") < 0)
         return -1;
     const int half = head_dim / 2;
     const size_t q_dim = (size_t)n_head * (size_t)head_dim, kv_dim = (size_t)n_head_kv * (size_t)head_dim;
@@ -435,8 +451,8 @@ int qc_cpu_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, con
         rope_angles(pos[t], inv_freq, half, c, s);
         rope_token(q + (size_t)t * q_dim, n_head, head_dim, c, s);
         rope_token(kt, n_head_kv, head_dim, c, s);
-        memcpy(k_cache + (size_t)pos[t] * kv_dim, kt, kv_dim * sizeof(float));
-        memcpy(v_cache + (size_t)pos[t] * kv_dim, v + (size_t)t * kv_dim, kv_dim * sizeof(float));
+        cache_put_row(cache.k, cache.type, pos[t], kt, kv_dim);
+        cache_put_row(cache.v, cache.type, pos[t], v + (size_t)t * kv_dim, kv_dim);
     }
     return 0;
 }
@@ -446,11 +462,22 @@ int qc_cpu_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, con
 
 typedef struct {
     qc_backend *be;
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    qc_kv_cache cache;
     const int32_t *pos;
     int n, n_kv, n_head, n_head_kv, head_dim;
     float *out, *scores, *probs;
 } attn_job;
+
+/* KV head kvh of cache row `row` as float32: in place for F32, converted into buf for F16. */
+static const float *cache_head(const void *base, int type, int row, int kv_dim, int kvh, int hd,
+                               float *buf) {
+    const size_t at = (size_t)row * (size_t)kv_dim + (size_t)kvh * (size_t)hd;
+    if (type != QC_KV_F16) return (const float *)base + at;
+    const uint16_t *h = (const uint16_t *)base + at;
+    for (int d = 0; d < hd; d++) buf[d] = qc_fp16_to_fp32(h[d]);
+    return buf;
+}
 
 /* Items are (head, query) pairs, head-major, so a fixed split hands every thread whole heads
  * whose causal work is the same. */
@@ -458,18 +485,19 @@ static void attention_items(void *ctx, int64_t begin, int64_t end, int worker) {
     attn_job *j = ctx;
     const int hd = j->head_dim, group = j->n_head / j->n_head_kv, kv_dim = j->n_head_kv * hd;
     const float scale = 1.0f / sqrtf((float)hd);
-    /* this thread's scratch: e[n_kv] float64 exponentials, then s[n_kv] scores/probabilities */
+    /* this thread's scratch: e[n_kv] float64 exponentials, s[n_kv] scores/probabilities, and
+     * one key and one value row of an F16 cache as float32 */
     double *e = (double *)state(j->be)->scratch[worker];
     float *s = (float *)(e + j->n_kv);
+    float *krow = s + j->n_kv, *vrow = krow + hd;
     for (int64_t item = begin; item < end; item++) {
         const int h = (int)(item / j->n), t = (int)(item % j->n);
         const int kvh = h / group;                      /* GQA: query head h reads KV head h/group */
         const int last = j->pos[t];                     /* causal: keys 0..pos[t] */
         const float *qv = j->q + ((size_t)t * j->n_head + h) * (size_t)hd;
-        const float *kbase = j->k_cache + (size_t)kvh * hd, *vbase = j->v_cache + (size_t)kvh * hd;
         float maxs = -INFINITY;
         for (int k = 0; k <= last; k++) {
-            s[k] = dot_f32(qv, kbase + (size_t)k * kv_dim, hd) * scale;
+            s[k] = dot_f32(qv, cache_head(j->cache.k, j->cache.type, k, kv_dim, kvh, hd, krow), hd) * scale;
             if (s[k] > maxs) maxs = s[k];
         }
         const size_t off = ((size_t)h * j->n + t) * (size_t)j->n_kv;
@@ -488,7 +516,7 @@ static void attention_items(void *ctx, int64_t begin, int64_t end, int worker) {
         for (int d = 0; d < hd; d++) o[d] = 0.0f;
         for (int k = 0; k <= last; k++) {
             const float p = s[k];
-            const float *vv = vbase + (size_t)k * kv_dim;
+            const float *vv = cache_head(j->cache.v, j->cache.type, k, kv_dim, kvh, hd, vrow);
             for (int d = 0; d < hd; d++) o[d] += p * vv[d];
         }
         if (j->probs) {
@@ -498,9 +526,9 @@ static void attention_items(void *ctx, int64_t begin, int64_t end, int worker) {
     }
 }
 
-int qc_cpu_attention(qc_backend *be, const float *q, const float *k_cache, const float *v_cache,
-                     const int32_t *pos, int n, int n_kv, int n_head, int n_head_kv, int head_dim,
-                     float *out, float *scores, float *probs) {
+int qc_cpu_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
+                     int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
+                     float *probs) {
     if (n < 0 || n_kv < 0 || head_dim <= 0 || n_head_kv <= 0 || n_head <= 0 ||
         n_head % n_head_kv != 0)
         return qc_fail(&be->err, QC_ERR_VALUE, "attention: bad shape n=%d n_kv=%d heads=%d "
@@ -509,10 +537,10 @@ int qc_cpu_attention(qc_backend *be, const float *q, const float *k_cache, const
         if (pos[t] < 0 || pos[t] >= n_kv)
             return qc_fail(&be->err, QC_ERR_RANGE, "attention: position %d of query %d is outside "
                            "[0, %d)", pos[t], t, n_kv);
+    if (cache_check(be, cache, "attention") < 0) return -1;
     if (n == 0) return 0;
-    if (qc_cpu_scratch(be, 3 * (size_t)n_kv) < 0) return -1;
-    attn_job job = {be, q, k_cache, v_cache, pos, n, n_kv, n_head, n_head_kv, head_dim,
-                    out, scores, probs};
+    if (qc_cpu_scratch(be, 3 * (size_t)n_kv + 2 * (size_t)head_dim) < 0) return -1;
+    attn_job job = {be, q, cache, pos, n, n_kv, n_head, n_head_kv, head_dim, out, scores, probs};
     const int64_t items = (int64_t)n_head * n;
     if (items * n_kv * head_dim < QC_PARALLEL_MIN) attention_items(&job, 0, items, 0);
     else qc_pool_run(state(be)->pool, items, attention_items, &job);

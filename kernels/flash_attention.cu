@@ -1,0 +1,384 @@
+/* flash_attention.cu: causal GQA attention over an F16 KV cache on tensor cores (FlashAttention-2's
+ * loop), for the evals that capture no scores or probabilities.
+ *
+ * Rows are (token, query head) pairs of one KV head: row r of KV head kvh is token r / G, query
+ * head kvh * G + r % G (G = n_head / n_head_kv), so the query heads that share a KV head share
+ * every K/V tile a block loads. A block takes 16 * WARPS rows (16 per warp) and walks the key
+ * tiles (QC_FA_BC keys each) up to the largest position among its rows; tiles past a row's own
+ * position are masked element by element, tiles past every row's are never loaded.
+ *
+ * Per tile and warp, with mma.sync m16n8k16 (f16 inputs, fp32 accumulation):
+ *   S = Q K^T (16 x QC_FA_BC), scaled by log2(e) / sqrt(head_dim), masked (key > pos: -inf);
+ *   online softmax per row: m = max(m, rowmax S), P = 2^(S - m), l = l 2^(m_old - m) + rowsum P,
+ *   O = O 2^(m_old - m) + P V, where P is rounded to f16 (it is the A operand of the second mma,
+ *   taken straight from S's accumulator registers: the two fragment layouts line up).
+ * q is fp32 in memory and rounded to f16 as it is staged; K and V tiles come in by cp.async,
+ * double-buffered, so the next tile loads while this one is multiplied. Keys past the last
+ * position any row needs are zero-filled, never read (no NaN from unwritten cache rows, no
+ * read past the cache).
+ *
+ * Decode and short evals (n <= QC_GEMV_MAX_TOKENS) have few rows: the key tiles are dealt to
+ * `splits` blocks (tile z, z + splits, ...), each writes its rows' partial (m, l, O) to
+ * cu->attn_part, and the last block of a row tile to finish (cu->attn_done) merges them, as
+ * attention.cu's split-K kernel does. The grid depends on the shapes only, never on the
+ * positions (read from device memory), so the decode step replays as a CUDA graph.
+ */
+#include "qc_cuda.cuh"
+
+#define QC_FA_BC 64                /* keys per tile */
+#define QC_FA_PREFILL_WARPS 4      /* 64 rows per block */
+#define QC_FA_DECODE_WARPS 1       /* 16 rows: one token's query heads of a KV head */
+#define QC_FA_SPLITS 64            /* key splits of a decode step (fewer if attn_part is short) */
+
+/* ---- tensor-core and copy primitives (sm_80+) ------------------------------------------- */
+
+/* d (16x8 fp32) += a (16x16 f16, row-major fragment) * b (16x8 f16, column fragment) */
+__device__ __forceinline__ void qc_mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                           uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Four 8x8 f16 matrices from shared memory, transposed: lane L names row L % 8 of matrix L / 8. */
+__device__ __forceinline__ void qc_ldmatrix_x4_trans(uint32_t (&r)[4], const __half *row) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* 16 bytes global -> shared without registers; src_bytes 0 zero-fills (nothing is read). */
+__device__ __forceinline__ void qc_cp_async16(void *smem, const void *gmem, int src_bytes) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void qc_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void qc_cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ uint32_t qc_pack_half2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/* ---- the kernel ------------------------------------------------------------------------- */
+
+/* Shared memory: Q (R rows), then two buffers of K and two of V (QC_FA_BC rows each), every row
+ * D + 8 halves: the padding puts the 8 rows an mma fragment reads in 8 different bank groups. */
+template <int D, int WARPS>
+struct qc_fa_smem {
+    static constexpr int R = 16 * WARPS;
+    static constexpr int LD = D + 8;
+    static constexpr size_t q_halves = (size_t)R * LD;
+    static constexpr size_t tile_halves = (size_t)QC_FA_BC * LD;
+    static constexpr size_t bytes = (q_halves + 4 * tile_halves) * sizeof(__half);
+};
+
+template <int D, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
+qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict__ k_cache,
+                          const __half *__restrict__ v_cache, const int32_t *__restrict__ pos,
+                          int n, int n_head, int n_head_kv, float scale_log2,
+                          float *__restrict__ out, float *__restrict__ part,
+                          unsigned int *__restrict__ done) {
+    using L = qc_fa_smem<D, WARPS>;
+    constexpr int R = L::R, LD = L::LD, NT = QC_FA_BC / 8, KS = D / 16, DT = D / 8;
+    extern __shared__ __align__(16) __half fa_smem[];
+    __half *Qs = fa_smem;
+    __half *Ks = Qs + L::q_halves;              /* [2][QC_FA_BC][LD] */
+    __half *Vs = Ks + 2 * L::tile_halves;       /* [2][QC_FA_BC][LD] */
+    __shared__ bool last_block;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c = lane & 3;      /* fragment row group and column pair */
+    const int G = n_head / n_head_kv, kv_dim = n_head_kv * D;
+    const int total_rows = n * G;
+    const int n_rt = gridDim.x, rt = n_rt - 1 - blockIdx.x;   /* the longest row tiles first */
+    const int kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int row0 = rt * R;
+
+    /* the keys this block needs: 0 .. pos of its last token (positions grow with the token) */
+    const int kmax = pos[(min(row0 + R, total_rows) - 1) / G];
+    const int n_tiles = kmax / QC_FA_BC + 1;
+    const __half *kbase = k_cache + (int64_t)kvh * D, *vbase = v_cache + (int64_t)kvh * D;
+
+    /* stage Q (f16) */
+    for (int i = tid; i < R * (D / 2); i += 32 * WARPS) {
+        const int rr = i / (D / 2), d = 2 * (i % (D / 2)), r = row0 + rr;
+        float2 v = make_float2(0.0f, 0.0f);
+        if (r < total_rows) {
+            const int t = r / G, h = kvh * G + r % G;
+            v = *reinterpret_cast<const float2 *>(q + ((int64_t)t * n_head + h) * D + d);
+        }
+        *reinterpret_cast<__half2 *>(Qs + rr * LD + d) = __floats2half2_rn(v.x, v.y);
+    }
+
+    /* one tile of K and V into buffer b; keys past kmax are zero-filled */
+    auto load_tile = [&](int tile, int b) {
+        __half *ks = Ks + b * L::tile_halves, *vs = Vs + b * L::tile_halves;
+        for (int i = tid; i < QC_FA_BC * (D / 8); i += 32 * WARPS) {
+            const int kr = i / (D / 8), d = 8 * (i % (D / 8)), j = tile * QC_FA_BC + kr;
+            const bool ok = j <= kmax;
+            const int64_t off = ok ? (int64_t)j * kv_dim + d : 0;
+            qc_cp_async16(ks + kr * LD + d, kbase + off, ok ? 16 : 0);
+            qc_cp_async16(vs + kr * LD + d, vbase + off, ok ? 16 : 0);
+        }
+    };
+
+    int tile = split;
+    if (tile < n_tiles) load_tile(tile, 0);
+    qc_cp_async_commit();
+    __syncthreads();   /* Q staged */
+
+    /* this warp's Q fragments, and its two rows' limits (-1: no such row, every key masked) */
+    uint32_t qa[KS][4];
+    const int ra = warp * 16 + g, rb = ra + 8;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        const int k0 = ks * 16 + 2 * c;
+        qa[ks][0] = *reinterpret_cast<const uint32_t *>(Qs + ra * LD + k0);
+        qa[ks][1] = *reinterpret_cast<const uint32_t *>(Qs + rb * LD + k0);
+        qa[ks][2] = *reinterpret_cast<const uint32_t *>(Qs + ra * LD + k0 + 8);
+        qa[ks][3] = *reinterpret_cast<const uint32_t *>(Qs + rb * LD + k0 + 8);
+    }
+    const int lim_a = row0 + ra < total_rows ? pos[(row0 + ra) / G] : -1;
+    const int lim_b = row0 + rb < total_rows ? pos[(row0 + rb) / G] : -1;
+
+    float o[DT][4];
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+
+    for (int b = 0; tile < n_tiles; tile += splits, b ^= 1) {
+        const int next = tile + splits;
+        if (next < n_tiles) load_tile(next, b ^ 1);
+        qc_cp_async_commit();
+        qc_cp_async_wait<1>();   /* this tile's group is complete; the next one may be in flight */
+        __syncthreads();
+        const __half *ks = Ks + b * L::tile_halves, *vs = Vs + b * L::tile_halves;
+
+        /* S = Q K^T */
+        float s[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                const __half *kp = ks + (nt * 8 + g) * LD + kk * 16 + 2 * c;
+                qc_mma_f16(s[nt], qa[kk], *reinterpret_cast<const uint32_t *>(kp),
+                           *reinterpret_cast<const uint32_t *>(kp + 8));
+            }
+        }
+
+        /* scale, mask, row maxima (a row's values sit in the 4 lanes of its quad) */
+        float mx_a = -INFINITY, mx_b = -INFINITY;
+        const int j0 = tile * QC_FA_BC + 2 * c;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int j = j0 + nt * 8 + (e & 1);
+                const float v = (j <= (e < 2 ? lim_a : lim_b)) ? s[nt][e] * scale_log2 : -INFINITY;
+                s[nt][e] = v;
+                if (e < 2) mx_a = fmaxf(mx_a, v);
+                else mx_b = fmaxf(mx_b, v);
+            }
+        }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+        }
+        const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
+        /* a row with no key yet keeps m = -inf; subtracting 0 then gives p = 0, corr = 0 */
+        const float base_a = new_a == -INFINITY ? 0.0f : new_a;
+        const float base_b = new_b == -INFINITY ? 0.0f : new_b;
+        const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
+        m_a = new_a;
+        m_b = new_b;
+        float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            s[nt][0] = exp2f(s[nt][0] - base_a);
+            s[nt][1] = exp2f(s[nt][1] - base_a);
+            s[nt][2] = exp2f(s[nt][2] - base_b);
+            s[nt][3] = exp2f(s[nt][3] - base_b);
+            sum_a += s[nt][0] + s[nt][1];
+            sum_b += s[nt][2] + s[nt][3];
+        }
+        l_a = l_a * corr_a + sum_a;   /* this lane's share; the quad adds up at the end */
+        l_b = l_b * corr_b + sum_b;
+#pragma unroll
+        for (int dt = 0; dt < DT; dt++) {
+            o[dt][0] *= corr_a;
+            o[dt][1] *= corr_a;
+            o[dt][2] *= corr_b;
+            o[dt][3] *= corr_b;
+        }
+
+        /* O += P V: P's A fragment for keys 16kk.. is S's accumulators of n-tiles 2kk, 2kk+1 */
+#pragma unroll
+        for (int kk = 0; kk < QC_FA_BC / 16; kk++) {
+            const uint32_t pa[4] = {qc_pack_half2(s[2 * kk][0], s[2 * kk][1]),
+                                    qc_pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                                    qc_pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                    qc_pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const int mat = lane >> 3;   /* ldmatrix: matrices (keys +0/+8) x (dims +0/+8) */
+            const __half *vrow = vs + (kk * 16 + (mat & 1) * 8 + (lane & 7)) * LD + (mat >> 1) * 8;
+#pragma unroll
+            for (int dt = 0; dt < DT; dt += 2) {
+                uint32_t vb[4];
+                qc_ldmatrix_x4_trans(vb, vrow + dt * 8);
+                qc_mma_f16(o[dt], pa, vb[0], vb[1]);
+                qc_mma_f16(o[dt + 1], pa, vb[2], vb[3]);
+            }
+        }
+        __syncthreads();   /* every warp is done with buffer b before it is refilled */
+    }
+    qc_cp_async_wait<0>();
+
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+    }
+
+    if (splits == 1) {
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = row0 + (half ? rb : ra);
+            const float l = half ? l_b : l_a;
+            if (r >= total_rows || l <= 0.0f) continue;
+            const float inv = 1.0f / l;
+            float *orow = out + ((int64_t)(r / G) * n_head + kvh * G + r % G) * D;
+#pragma unroll
+            for (int dt = 0; dt < DT; dt++)
+                *reinterpret_cast<float2 *>(orow + dt * 8 + 2 * c) =
+                    make_float2(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
+        }
+        return;
+    }
+
+    /* split: publish (m, l, O) of both rows, count the split; the last block merges */
+    const int64_t pair = (int64_t)kvh * n_rt + rt;
+    float *mine = part + (pair * splits + split) * (int64_t)R * (D + 2);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float *p = mine + (int64_t)(half ? rb : ra) * (D + 2);
+        if (c == 0) {
+            p[0] = half ? m_b : m_a;
+            p[1] = half ? l_b : l_a;
+        }
+#pragma unroll
+        for (int dt = 0; dt < DT; dt++) {
+            p[2 + dt * 8 + 2 * c] = o[dt][2 * half];
+            p[2 + dt * 8 + 2 * c + 1] = o[dt][2 * half + 1];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        last_block = atomicAdd(&done[pair], 1u) == (unsigned)splits - 1;
+        if (last_block) done[pair] = 0;   /* ready for the next launch */
+    }
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();
+
+    /* weights 2^(m_s - M) / L per row and split, in the (now idle) K buffers */
+    const float *all = part + pair * splits * (int64_t)R * (D + 2);
+    float *w = reinterpret_cast<float *>(Ks);   /* [R][splits]: R * splits <= 16 * 64 floats */
+    for (int rr = tid; rr < R; rr += 32 * WARPS) {
+        float M = -INFINITY;
+        for (int s2 = 0; s2 < splits; s2++) M = fmaxf(M, __ldcg(all + ((int64_t)s2 * R + rr) * (D + 2)));
+        float Lsum = 0.0f;
+        for (int s2 = 0; s2 < splits; s2++) {
+            const float ms = __ldcg(all + ((int64_t)s2 * R + rr) * (D + 2));
+            const float e = ms == -INFINITY ? 0.0f : exp2f(ms - M);
+            w[rr * splits + s2] = e;
+            Lsum += e * __ldcg(all + ((int64_t)s2 * R + rr) * (D + 2) + 1);
+        }
+        const float inv = Lsum > 0.0f ? 1.0f / Lsum : 0.0f;
+        for (int s2 = 0; s2 < splits; s2++) w[rr * splits + s2] *= inv;
+    }
+    __syncthreads();
+    for (int i = tid; i < R * D; i += 32 * WARPS) {
+        const int rr = i / D, d = i % D, r = row0 + rr;
+        if (r >= total_rows) continue;
+        float acc = 0.0f;
+        for (int s2 = 0; s2 < splits; s2++)
+            acc = fmaf(__ldcg(all + ((int64_t)s2 * R + rr) * (D + 2) + 2 + d), w[rr * splits + s2], acc);
+        out[((int64_t)(r / G) * n_head + kvh * G + r % G) * D + d] = acc;
+    }
+}
+
+/* ---- launch ----------------------------------------------------------------------------- */
+
+template <int D, int WARPS>
+static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
+                        int n_head, int n_head_kv, float *out, int splits) {
+    qc_cuda *cu = qc_cuda_of(be);
+    using L = qc_fa_smem<D, WARPS>;
+    const int64_t rows = (int64_t)n * (n_head / n_head_kv);
+    const int64_t n_rt = (rows + L::R - 1) / L::R;
+    if (n_rt > INT32_MAX || n_head_kv > 65535)
+        return qc_cuda_value_error(be, "attention: %lld rows per KV head is too many", (long long)rows);
+    auto kernel = qc_flash_attention_kernel<D, WARPS>;
+    const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
+    const dim3 grid((unsigned)n_rt, (unsigned)n_head_kv, (unsigned)splits);
+    kernel<<<grid, 32 * WARPS, L::bytes, cu->stream>>>(q, (const __half *)cache.k, (const __half *)cache.v,
+                                                       pos, n, n_head, n_head_kv, scale_log2, out,
+                                                       cu->attn_part, cu->attn_done);
+    return QC_LAUNCHED(be, "qc_flash_attention_kernel");
+}
+
+/* More than 48 KiB of dynamic shared memory must be allowed per kernel, once, outside any graph
+ * capture: at backend creation. */
+template <int D, int WARPS>
+static int allow_smem(qc_backend *be) {
+    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)qc_fa_smem<D, WARPS>::bytes));
+}
+
+int qc_cuda_flash_attention_init(qc_backend *be) {
+    if (allow_smem<64, QC_FA_PREFILL_WARPS>(be) < 0 || allow_smem<128, QC_FA_PREFILL_WARPS>(be) < 0 ||
+        allow_smem<64, QC_FA_DECODE_WARPS>(be) < 0 || allow_smem<128, QC_FA_DECODE_WARPS>(be) < 0)
+        return -1;
+    return 0;
+}
+
+/* Splits for a short eval: as many as attn_part and attn_done hold (at most QC_FA_SPLITS);
+ * 0 when even two do not fit (then one block walks every key). Shapes only: graph-safe. */
+static int decode_splits(int n, int n_head, int n_head_kv, int head_dim) {
+    const int64_t R = 16 * QC_FA_DECODE_WARPS;
+    const int64_t n_rt = ((int64_t)n * (n_head / n_head_kv) + R - 1) / R;
+    const int64_t per_split = (int64_t)n_head_kv * n_rt * R * (head_dim + 2);
+    if (n_head_kv * n_rt > QC_ATT_PAIRS) return 0;
+    int64_t splits = QC_ATT_PART_FLOATS / per_split;
+    if (splits > QC_FA_SPLITS) splits = QC_FA_SPLITS;
+    /* the merge keeps R * splits weights in the K buffers (2 * QC_FA_BC rows of D + 8 halves) */
+    const int64_t room = (int64_t)QC_FA_BC * (head_dim + 8) / R;
+    if (splits > room) splits = room;
+    return splits >= 2 ? (int)splits : 0;
+}
+
+int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
+                            int n, int n_head, int n_head_kv, int head_dim, float *out) {
+    if (n <= 0) return 0;
+    if (cache.type != QC_KV_F16)
+        return qc_cuda_value_error(be, "flash attention reads an F16 cache, not type %d", cache.type);
+    if (n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0)
+        return qc_cuda_value_error(be, "attention: n_head %d is not a multiple of n_head_kv %d", n_head, n_head_kv);
+    if (head_dim != 64 && head_dim != 128)
+        return qc_cuda_value_error(be, "flash attention: head_dim %d is not 64 or 128", head_dim);
+    const int splits = n <= QC_GEMV_MAX_TOKENS ? decode_splits(n, n_head, n_head_kv, head_dim) : 0;
+    if (splits >= 2)
+        return head_dim == 64 ? launch_flash<64, QC_FA_DECODE_WARPS>(be, q, cache, pos, n, n_head, n_head_kv, out, splits)
+                              : launch_flash<128, QC_FA_DECODE_WARPS>(be, q, cache, pos, n, n_head, n_head_kv, out, splits);
+    return head_dim == 64 ? launch_flash<64, QC_FA_PREFILL_WARPS>(be, q, cache, pos, n, n_head, n_head_kv, out, 1)
+                          : launch_flash<128, QC_FA_PREFILL_WARPS>(be, q, cache, pos, n, n_head, n_head_kv, out, 1);
+}
