@@ -149,21 +149,53 @@ static int find_checked(const gguf_file *f, const char *name, int ndim, int64_t 
     return 0;
 }
 
+/* The tensors of one layer, blk.N.<suffix>. */
+static const char *const layer_suffixes[] = {
+    "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias",
+    "attn_k.bias", "attn_v.bias", "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight",
+    "ffn_up.weight", "ffn_down.weight",
+};
+
 /* Every tensor the forward pass reads, checked before any allocation; and no layer tensor
  * beyond block_count (a lowered block_count would otherwise run fewer layers silently). */
 static int check_tensors(const gguf_file *f, const qc_config *c, qc_error *err) {
     const gguf_tensor *t;
     char name[96];
     const int64_t q_dim = c->n_head * c->head_dim, kv_dim = c->n_head_kv * c->head_dim;
+    /* Every tensor of the file must be one the model reads, as llama.cpp demands: a renamed
+     * output.weight would otherwise make the model tied without a word. */
     for (uint64_t i = 0; i < f->n_tensors; i++) {
         const char *nm = f->tensors[i].name;
-        if (strncmp(nm, "blk.", 4) != 0) continue;
+        if (strcmp(nm, "token_embd.weight") == 0 || strcmp(nm, "output_norm.weight") == 0 ||
+            strcmp(nm, "output.weight") == 0)
+            continue;
         char *end = NULL;
-        const long long layer = strtoll(nm + 4, &end, 10);
-        if (end != nm + 4 && *end == '.' && layer >= c->n_layer)
+        const long long layer = strncmp(nm, "blk.", 4) == 0 ? strtoll(nm + 4, &end, 10) : -1;
+        if (end != NULL && end != nm + 4 && *end == '.' && nm[4] >= '0' && nm[4] <= '9' &&
+            layer >= c->n_layer)
             return qc_fail(err, QC_ERR_MODEL, "%.80s: layer %lld is beyond qwen2.block_count = "
                            "%lld (the file holds more layers than its metadata says)", nm, layer,
                            (long long)c->n_layer);
+        int known = 0;
+        if (end != NULL && end != nm + 4 && *end == '.' && nm[4] >= '0' && nm[4] <= '9') {
+            snprintf(name, sizeof name, "blk.%lld.", layer);
+            const size_t pre = strlen(name);
+            for (size_t k = 0; k < sizeof layer_suffixes / sizeof layer_suffixes[0] && !known; k++)
+                known = strncmp(nm, name, pre) == 0 && strcmp(nm + pre, layer_suffixes[k]) == 0;
+        }
+        if (!known) {
+            char q[96];
+            size_t o = 0;
+            for (size_t k = 0; nm[k] != '\0' && k < 64; k++) {
+                const unsigned char ch = (unsigned char)nm[k];
+                if (ch >= 0x20 && ch < 0x7f && ch != '\\') q[o++] = (char)ch;
+                else o += (size_t)snprintf(q + o, sizeof q - o, "\\x%02x", ch);
+                if (o > sizeof q - 5) break;
+            }
+            q[o] = '\0';
+            return qc_fail(err, QC_ERR_MODEL, "tensor '%s' is not part of a qwen2 model (a renamed "
+                           "or foreign tensor; llama.cpp refuses the file too)", q);
+        }
     }
     if (find_checked(f, "token_embd.weight", 2, c->n_vocab, c->dim, &t, err) < 0 ||
         find_checked(f, "output_norm.weight", 1, c->dim, 0, &t, err) < 0)

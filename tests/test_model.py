@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import qwencuda as qc
-from engine_util import model_file, rel_err, scratch_dir
+from engine_util import design_capture_names, model_file, rel_err, scratch_dir
 
 TOL = 1e-5
 IDS = [11, 250, 37, 301, 5, 64, 199]
@@ -91,8 +91,9 @@ def test_config_comes_from_the_metadata():
         with pytest.raises(Exception):
             c.dim = 3                               # frozen
         assert m.device == "cpu" and m.path.endswith(".gguf")
-        assert m.capture_names() == qc.capture_names(2)
-        assert len(m.capture_names()) == 1 + 2 * 17 + 3
+        # the C core's list (through _core) against DESIGN.md's, and against what a forward emits
+        assert m.capture_names() == design_capture_names(2)
+        assert list(m.forward([1, 2, 3], capture="*").tensors) == design_capture_names(2)
         assert "Q8_0" in m.tensor_types().values()
         assert "224" in repr(m) and "cpu" in repr(m)
 
@@ -129,6 +130,15 @@ def test_layers_beyond_block_count_are_named():
     meta["qwen2.block_count"] = ("uint32", 1)
     path = _write_gguf(_custom("blocks1.gguf"), meta=meta, tensors=weights)
     with pytest.raises(qc.ModelError, match=r"blk\.1\.\w+\.\w+: layer 1 is beyond qwen2\.block_count = 1"):
+        qc.Model(path, device="cpu")
+
+
+def test_a_tensor_the_model_does_not_read_is_named():
+    """A renamed output.weight must not make the model tied without a word (llama.cpp refuses too)."""
+    meta, weights = _tiny_parts()
+    weights["outpup.weight"] = weights.pop("output.weight")
+    path = _write_gguf(_custom("renamed-output.gguf"), meta=meta, tensors=weights)
+    with pytest.raises(qc.ModelError, match=r"tensor 'outpup\.weight' is not part of a qwen2 model"):
         qc.Model(path, device="cpu")
 
 
