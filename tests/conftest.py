@@ -56,3 +56,12 @@ def real_reference(real_model_path):
     from qwencuda import reference
 
     return reference._model(real_model_path)
+
+
+@pytest.fixture(scope="session")
+def real_gguf_reader(real_model_path):
+    """The `gguf` package's GGUFReader over the real file, parsed once per test session (its
+    151k-string vocabulary takes it about 10 s)."""
+    import gguf
+
+    return gguf.GGUFReader(real_model_path)

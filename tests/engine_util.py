@@ -84,3 +84,15 @@ def near_tie(logits_row, gap=0.2):
     """Whether the two largest logits of a row are within gap of each other."""
     top = np.sort(np.asarray(logits_row, dtype=np.float64))[-2:]
     return float(top[1] - top[0]) < gap
+
+
+# The capture names of DESIGN.md in forward order, written out here rather than taken from
+# qwencuda (whose list now comes from the C core): tests compare the engine's names with this.
+DESIGN_LAYER_NAMES = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_scores", "attn_probs",
+                      "attn_out", "attn_proj", "resid_mid", "ffn_norm", "gate", "up", "ffn_act",
+                      "ffn_out", "resid_out")
+
+
+def design_capture_names(n_layer):
+    return (["embed"] + [f"blk.{L}.{n}" for L in range(n_layer) for n in DESIGN_LAYER_NAMES]
+            + ["output_norm", "logits", "argmax"])

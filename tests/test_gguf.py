@@ -603,7 +603,7 @@ def test_gguf_open_buffer_accepts_bytearray_and_memoryview(synthetic):
 # ---------------------------------------------------------------------------- the real model
 
 @pytest.mark.realmodel
-def test_real_model(real_model_path):
+def test_real_model(real_model_path, real_gguf_reader):
     from collections import Counter
 
     with qc.GGUFFile(real_model_path) as f:
@@ -626,7 +626,7 @@ def test_real_model(real_model_path):
         assert md["tokenizer.ggml.eos_token_id"] == 151645
 
         # the gguf package agrees on the table and on decoded values
-        reader = gguf.GGUFReader(real_model_path)
+        reader = real_gguf_reader         # gguf.GGUFReader, parsed once per session (conftest.py)
         for rt in reader.tensors:
             info = f.tensors[rt.name]
             assert (info.offset, info.nbytes, info.type) == (rt.data_offset, rt.n_bytes, rt.tensor_type.name)

@@ -32,8 +32,8 @@ NEAR_TIE = 0.2
 
 
 @pytest.fixture(scope="module")
-def engines(real_model_path):
-    ref = qc.reference.load(real_model_path)
+def engines(real_model_path, real_reference):
+    ref = real_reference                  # built once per test session (conftest.py)
     with qc.Model(real_model_path, device="cpu") as m:
         yield m, ref
 

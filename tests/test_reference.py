@@ -393,8 +393,8 @@ def test_matches_hf_transformers(models, cfg):
 # (c) the real model
 
 @pytest.fixture(scope="module")
-def real(real_model_path):
-    return R.load(real_model_path)
+def real(real_reference):
+    return real_reference                 # built once per test session (conftest.py)
 
 
 @pytest.fixture(scope="module")

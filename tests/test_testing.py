@@ -206,8 +206,8 @@ def test_q4_k_m_matches_the_real_file_pattern():
 
 
 @pytest.fixture(scope="module")
-def real_reader(real_model_path):
-    return gguf.GGUFReader(real_model_path)
+def real_reader(real_gguf_reader):
+    return real_gguf_reader               # parsed once per test session (conftest.py)
 
 
 def test_q4_k_m_against_real_file(real_reader):
