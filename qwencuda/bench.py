@@ -3,12 +3,12 @@
     r = run_bench("model.gguf", "cpu", prompt_tokens=128, gen_tokens=32, repeats=3)
     print(format_bench(r))
 
-Each repeat opens a fresh session, prefills prompt_tokens (one call) and then decodes
-gen_tokens one step at a time, greedily, through the public Session API as generate() does
-(minus the tokenizer): every token is drawn on the device by a greedy Sampler and only its id
-comes back. Every call returns only after the device has finished (the token is copied to the
-host), so wall-clock times are synchronised. The figures are medians over the repeats, after one
-warm-up round.
+Each repeat opens a fresh session, fills `depth` tokens into its KV cache (untimed; llama-bench's
+-d), prefills prompt_tokens (one call, timed) and then decodes gen_tokens one step at a time
+(timed), greedily, through the public Session API as generate() does (minus the tokenizer): every
+token is drawn on the device by a greedy Sampler and only its id comes back. Every call returns
+only after the device has finished (the token is copied to the host), so wall-clock times are
+synchronised. The figures are medians over the repeats, after one warm-up round.
 """
 import os
 import platform
@@ -65,11 +65,13 @@ def _type_mix(types):
     return dict(sorted(mix.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def _one_round(model, ids, gen_tokens):
+def _one_round(model, ids, gen_tokens, depth=0, kv_type=None, fill=None):
     from .sampling import Sampler
 
     greedy = Sampler(model.config.n_vocab, temperature=0.0)
-    with model.session(max_context=len(ids) + gen_tokens) as s:
+    with model.session(max_context=depth + len(ids) + gen_tokens, kv_type=kv_type) as s:
+        if depth:
+            s.prefill(fill[:depth], logits=None)   # the context before the timed work
         t0 = time.perf_counter()
         token = s.prefill(ids, logits=None, sampler=greedy).token
         t1 = time.perf_counter()
@@ -80,13 +82,14 @@ def _one_round(model, ids, gen_tokens):
 
 
 def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repeats=5,
-              threads=None, seed=0) -> dict:
-    """Measure prefill and decode tokens/s of model_path on device -> a dict (see format_bench)."""
+              threads=None, seed=0, depth=0, kv_type=None) -> dict:
+    """Measure prefill and decode tokens/s of model_path on device, after depth tokens in the
+    cache -> a dict (see format_bench)."""
     from .model import Model
 
-    prompt_tokens, gen_tokens, repeats = int(prompt_tokens), int(gen_tokens), int(repeats)
-    if prompt_tokens < 1 or gen_tokens < 0 or repeats < 1:
-        raise ValueError("prompt_tokens and repeats must be >= 1, gen_tokens >= 0")
+    prompt_tokens, gen_tokens, repeats, depth = int(prompt_tokens), int(gen_tokens), int(repeats), int(depth)
+    if prompt_tokens < 1 or gen_tokens < 0 or repeats < 1 or depth < 0:
+        raise ValueError("prompt_tokens and repeats must be >= 1, gen_tokens and depth >= 0")
     t_load = time.perf_counter()
     model = Model(model_path, device=device, threads=threads)
     load_s = time.perf_counter() - t_load
@@ -94,12 +97,15 @@ def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repe
         cfg = model.config
         rng = np.random.default_rng(seed)
         ids = rng.integers(0, min(cfg.n_vocab, 150000), prompt_tokens).tolist()
-        _one_round(model, ids[:min(prompt_tokens, 16)], min(gen_tokens, 2))   # warm-up
+        fill = rng.integers(0, min(cfg.n_vocab, 150000), depth).tolist()
+        _one_round(model, ids[:min(prompt_tokens, 16)], min(gen_tokens, 2), kv_type=kv_type)   # warm-up
         prefill_s, decode_s = [], []
         for _ in range(repeats):
-            p, d = _one_round(model, ids, gen_tokens)
+            p, d = _one_round(model, ids, gen_tokens, depth, kv_type, fill)
             prefill_s.append(p)
             decode_s.append(d)
+        with model.session(max_context=1, kv_type=kv_type) as s:
+            kv = s.kv_type
         types = model.tensor_types()
         p_med, d_med = statistics.median(prefill_s), statistics.median(decode_s)
         return {
@@ -116,6 +122,8 @@ def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repe
             "commit": _commit(),
             "prompt_tokens": prompt_tokens,
             "gen_tokens": gen_tokens,
+            "depth": depth,
+            "kv_type": kv,
             "repeats": repeats,
             "load_s": load_s,
             "prefill_s": prefill_s,
@@ -136,11 +144,12 @@ def format_bench(result) -> str:
     spread = lambda xs, n: (f"{n / max(xs):.1f}..{n / min(xs):.1f}" if xs and min(xs) > 0 else "-")
     lines = [
         f"qwencuda bench: {r['model']} ({r['model_bytes'] / 2**20:.0f} MiB) on {r['device']}: {where}",
-        f"  commit {r.get('commit') or 'unknown'}; weights: {mix}; lm_head {r.get('lm_head_type')}",
-        f"  prefill {r['prompt_tokens']:>5} tokens: {r['prefill_tok_s']:8.1f} tok/s "
+        f"  commit {r.get('commit') or 'unknown'}; weights: {mix}; lm_head {r.get('lm_head_type')}; "
+        f"KV cache {r.get('kv_type', '?')}",
+        f"  prefill {r['prompt_tokens']:>5} tokens at depth {r.get('depth', 0):>5}: {r['prefill_tok_s']:8.1f} tok/s "
         f"(median of {r['repeats']}, range {spread(r['prefill_s'], r['prompt_tokens'])})",
-        f"  decode  {r['gen_tokens']:>5} tokens: {r['decode_tok_s']:8.1f} tok/s "
-        f"(median of {r['repeats']}, range {spread(r['decode_s'], r['gen_tokens'])})",
+        f"  decode  {r['gen_tokens']:>5} tokens at depth {r.get('depth', 0) + r['prompt_tokens']:>5}: "
+        f"{r['decode_tok_s']:8.1f} tok/s (median of {r['repeats']}, range {spread(r['decode_s'], r['gen_tokens'])})",
         f"  load {r['load_s']:.2f} s",
     ]
     return "\n".join(lines)

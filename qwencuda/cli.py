@@ -157,8 +157,12 @@ def cmd_bench(args):
     bench = _import_command("bench")
     if bench is None:
         return EXIT_ERROR
-    result = bench.run_bench(path, args.device, args.prompt_tokens, args.gen_tokens, args.repeats)
-    print(bench.format_bench(result))
+    # one measurement per (depth, prompt length): the model loads once per measurement
+    for depth in args.depth:
+        for prompt in args.prompt_tokens:
+            result = bench.run_bench(path, args.device, prompt, args.gen_tokens, args.repeats,
+                                     depth=depth, kv_type=args.kv_type)
+            print(bench.format_bench(result), flush=True)
     return EXIT_OK
 
 
@@ -257,8 +261,14 @@ def build_parser():
 
     p = sub.add_parser("bench", help="prefill and decode speed")
     _add_model_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[512],
+                   help="prompt lengths to prefill (several: one measurement each), e.g. 512 4096 16384")
     p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--depth", type=int, nargs="+", default=[0],
+                   help="tokens already in the KV cache before the timed prefill and decode "
+                        "(llama-bench -d), e.g. 0 4096 16384")
+    p.add_argument("--kv-type", choices=["f16", "f32"], default=None,
+                   help="KV cache element type (default: f16 on CUDA, f32 on the CPU)")
     p.add_argument("--repeats", type=int, default=5)
     p.set_defaults(func=cmd_bench)
 

@@ -20,6 +20,10 @@
 #   GPU_CHECK_TESTS        what pytest collects (default: tests)
 #   GPU_CHECK_BENCH_TYPES  f16 q8_0 q4_k_m
 #   GPU_CHECK_PROMPT / GPU_CHECK_GEN / GPU_CHECK_REPEATS   512 / 128 / 3
+#   GPU_CHECK_LONG_PROMPTS  prompt lengths of the long-context bench (real model, else the
+#                           Q4_K_M-shaped file), e.g. "4096 16384 32768"; empty: none
+#   GPU_CHECK_LONG_DEPTHS   depths of its decode, e.g. "4096 16384"
+#   LLAMA_BENCH            llama.cpp's llama-bench: the same work on the same file, in the report
 #   GPU_CHECK_TEST_TIMEOUT seconds for the test step (default 420)
 #   GPU_CHECK_COMMIT       commit to name in the report where the tree has no .git
 set -uo pipefail
@@ -129,6 +133,25 @@ if has_step bench && [ "$build_status" != FAILED ]; then
             --prompt-tokens "${GPU_CHECK_PROMPT:-512}" --gen-tokens "${GPU_CHECK_GEN:-128}" \
             --repeats "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1 || echo "bench failed: ${files[-1]}" >>"$logdir/bench.log"
     fi
+    # long context: prefill of long prompts, decode after deep contexts (issue 13)
+    lf=${QWENCUDA_MODEL:-}; [ -n "$lf" ] && [ -e "$lf" ] || lf="$synth/qwen05b-q4_k_m.gguf"
+    if [ -n "${GPU_CHECK_LONG_PROMPTS:-}${GPU_CHECK_LONG_DEPTHS:-}" ] && [ -e "$lf" ]; then
+        echo "long context ($(basename "$lf")):" >>"$logdir/bench.log"
+        [ -n "${GPU_CHECK_LONG_PROMPTS:-}" ] && (cd /tmp && timeout 600 "$PY" -m qwencuda bench --model "$lf" --device cuda \
+            --prompt-tokens $GPU_CHECK_LONG_PROMPTS --gen-tokens 0 --repeats "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1
+        [ -n "${GPU_CHECK_LONG_DEPTHS:-}" ] && (cd /tmp && timeout 600 "$PY" -m qwencuda bench --model "$lf" --device cuda \
+            --prompt-tokens 1 --depth $GPU_CHECK_LONG_DEPTHS --gen-tokens "${GPU_CHECK_GEN:-128}" \
+            --repeats "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1
+    fi
+    # llama.cpp on the same file and the same work, in the same lease
+    if [ -n "${LLAMA_BENCH:-}" ] && [ -x "$LLAMA_BENCH" ] && [ -e "$lf" ]; then
+        comma() { echo "$*" | tr ' ' ','; }
+        echo "llama.cpp (llama-bench -ngl 99 -fa 1, $(basename "$lf")):" >>"$logdir/bench.log"
+        timeout 600 "$LLAMA_BENCH" -m "$lf" -ngl 99 -fa 1 -r "${GPU_CHECK_REPEATS:-3}" \
+            -p "$(comma ${GPU_CHECK_PROMPT:-512} ${GPU_CHECK_LONG_PROMPTS:-})" -n "${GPU_CHECK_GEN:-128}" >>"$logdir/bench.log" 2>&1
+        [ -n "${GPU_CHECK_LONG_DEPTHS:-}" ] && timeout 600 "$LLAMA_BENCH" -m "$lf" -ngl 99 -fa 1 -r "${GPU_CHECK_REPEATS:-3}" \
+            -p 0 -n "${GPU_CHECK_GEN:-128}" -d "$(comma $GPU_CHECK_LONG_DEPTHS)" >>"$logdir/bench.log" 2>&1
+    fi
     (cd /tmp && timeout 120 "$PY" "$top/scripts/kernel_bench.py" --device cuda) >>"$logdir/bench.log" 2>&1 \
         || echo "kernel_bench failed" >>"$logdir/bench.log"
     # the draw on the device vs on the host, on the real file (else the Q4_K_M-shaped one)
@@ -145,13 +168,17 @@ if has_step sanitizer && [ "$build_status" != FAILED ]; then
     if command -v compute-sanitizer >/dev/null; then
         (cd /tmp && "$PY" -c "from qwencuda import testing
 testing.write_model('$synth/tiny-q4_k_m-san.gguf', config='tiny', weight_type='q4_k_m')
-testing.write_model('$synth/tiny-hd128-f16-san.gguf', config='tiny-hd128', weight_type='f16')") >"$logdir/sanitizer.log" 2>&1
+testing.write_model('$synth/tiny-hd128-f16-san.gguf', config='tiny-hd128', weight_type='f16')
+testing.write_model('$synth/gqa7-hd64-q8_0-san.gguf', config=dict(n_vocab=400, dim=448, n_layer=2, n_head=7, n_head_kv=1, ffn_dim=512), weight_type='q8_0')") >"$logdir/sanitizer.log" 2>&1
         (cd /tmp && timeout 300 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 \
             "$PY" -c "
 import numpy as np, qwencuda as qc
-for path in ['$synth/tiny-q4_k_m-san.gguf', '$synth/tiny-hd128-f16-san.gguf']:
+for path in ['$synth/tiny-q4_k_m-san.gguf', '$synth/tiny-hd128-f16-san.gguf', '$synth/gqa7-hd64-q8_0-san.gguf']:
     for capture in ('*', None):                                 # unfused ops, then the fused ones
-        with qc.Model(path, device='cuda') as m, m.session(max_context=64) as s:
+        with qc.Model(path, device='cuda') as m, m.session(max_context=200) as s:
+            s.prefill_chunk = 64                                # flash attention over earlier chunks
+            s.prefill(np.arange(1, 150, dtype=np.int32) % 399, capture=capture, attn_rows=[-1] if capture else None)
+            s.reset()
             ids = np.arange(1, 13, dtype=np.int32)
             tr = s.prefill(ids, capture=capture, logits='all')  # 12 tokens: the cuBLAS path
             for t in range(4):                                  # decode: the GEMV path (replayed)

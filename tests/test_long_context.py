@@ -298,26 +298,21 @@ def test_flash_prefill_and_decode_match_the_exact_path(paths, config):
 # ---- depth parity with llama.cpp on the real model ------------------------------------------
 
 DEPTH = os.path.join(DATA, "llamacpp_depth.json")
+DEPTH_DATA = json.load(open(DEPTH)) if os.path.exists(DEPTH) else None
 NEAR_TIE = 0.2
 
 
-def _depth_cases():
-    if not os.path.exists(DEPTH):
-        return []
-    return [c["length"] for c in json.load(open(DEPTH))["cases"]]
-
-
 @pytest.mark.realmodel
-@pytest.mark.skipif(not os.path.exists(DEPTH), reason="tests/data/llamacpp_depth.json not recorded")
+@pytest.mark.skipif(DEPTH_DATA is None, reason="tests/data/llamacpp_depth.json not recorded")
 def test_depth_prompt_tokenizes_like_llamacpp(real_model_path):
-    data = json.load(open(DEPTH))
+    data = DEPTH_DATA
     text = open(os.path.join(DATA, data["text"]), encoding="utf-8").read()
     ids = qc.Tokenizer(real_model_path, normalize=None).encode(text, allow_special=True)
     assert ids[:len(data["ids"])] == data["ids"]
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("length", _depth_cases())
+@pytest.mark.parametrize("length", [c["length"] for c in DEPTH_DATA["cases"]] if DEPTH_DATA else [])
 def test_greedy_at_depth_matches_llamacpp(real_model_path, device, length):
     """After 4k / 16k / 30k tokens of real code, greedy continuation equal to llama.cpp's at every
     step whose top-two gap is at least NEAR_TIE in both engines (llama.cpp's token is fed back:
@@ -325,7 +320,7 @@ def test_greedy_at_depth_matches_llamacpp(real_model_path, device, length):
     cores)."""
     if device == "cpu" and (length > 4096 or not os.environ.get("QWENCUDA_SLOW")):
         pytest.skip("the CPU runs the 4k case with QWENCUDA_SLOW=1")
-    data = json.load(open(DEPTH))
+    data = DEPTH_DATA
     case = next(c for c in data["cases"] if c["length"] == length)
     with qc.Model(real_model_path, device=device) as m:
         s = m.session(max_context=length + len(case["generated"]) + 1)
