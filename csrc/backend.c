@@ -1,5 +1,6 @@
 /* backend.c: choose a backend by device string. */
 #include "backend.h"
+#include "cpu/cpu_backend.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -8,6 +9,9 @@ int qc_backend_create(const char *device, int threads, qc_backend **out, qc_erro
     *out = NULL;
     if (device == NULL || strcmp(device, "cpu") == 0)
         return qc_cpu_backend_create(threads, out, err);
+    /* the CPU's float32 reference ops (cpu_ops.c) instead of its fast kernels (cpu_fast.c) */
+    if (strcmp(device, "cpu:float") == 0)
+        return qc_cpu_backend_create_kernels(threads, 1, out, err);
     if (strncmp(device, "cuda", 4) == 0) {
         int ordinal = 0;
         if (device[4] == ':') {

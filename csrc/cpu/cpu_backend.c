@@ -52,6 +52,7 @@ static void cpu_destroy(qc_backend *be) {
         for (int i = 0; i < st->n_scratch; i++) free(st->scratch[i]);
         free(st->scratch);
         free(st->normed);
+        free(st->xq);
         free(st);
     }
     free(be);
@@ -90,6 +91,25 @@ float *qc_cpu_normed_buffer(qc_backend *be, size_t floats) {
     return st->normed;
 }
 
+qc_q8_block *qc_cpu_q8_buffer(qc_backend *be, size_t blocks) {
+    qc_cpu_state *st = be->impl;
+    if (blocks > st->xq_blocks) {
+        /* geometric growth, as the scratch: a prefill of slowly increasing length reallocates
+         * rarely */
+        size_t want = st->xq_blocks * 2 > blocks ? st->xq_blocks * 2 : blocks;
+        qc_q8_block *grown = aligned_alloc(64, (want * sizeof(qc_q8_block) + 63) & ~(size_t)63);
+        if (!grown) {
+            qc_fail(&be->err, QC_ERR_NOMEM, "cpu: cannot allocate %zu blocks of 8-bit activations", want);
+            return NULL;
+        }
+        free(st->xq);
+        st->xq = grown;
+        st->xq_blocks = want;
+    }
+    return st->xq;
+}
+
+/* The reference ops: plain C, float32 activations (cpu_ops.c). */
 static const qc_backend_ops cpu_ops = {
     .alloc = cpu_alloc,
     .free = cpu_free,
@@ -116,12 +136,47 @@ static const qc_backend_ops cpu_ops = {
     .rope_kv_store = qc_cpu_rope_kv_store,
 };
 
+/* The fast ops (cpu_fast.c) where this CPU has the kernels; the rest are the reference's. */
+static const qc_backend_ops cpu_fast_ops = {
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_memcpy,
+    .download = cpu_memcpy,
+    .copy = cpu_memcpy,
+    .weight_load = cpu_weight_load,
+    .weight_free = cpu_weight_free,
+    .synchronize = cpu_synchronize,
+    .destroy = cpu_destroy,
+    .embed = qc_cpu_embed,
+    .rmsnorm = qc_cpu_fast_rmsnorm,
+    .matmul = qc_cpu_fast_matmul,
+    .rope = qc_cpu_rope,
+    .kv_store = qc_cpu_kv_store,
+    .attention = qc_cpu_attention,
+    .swiglu = qc_cpu_fast_swiglu,
+    .add = qc_cpu_add,
+    .argmax = qc_cpu_fast_argmax,
+    .sample = qc_cpu_sample,
+    .matmul_add = qc_cpu_fast_matmul_add,
+    .matmul_multi = qc_cpu_fast_matmul_multi,
+    .matmul_swiglu = qc_cpu_fast_matmul_swiglu,
+    .rope_kv_store = qc_cpu_rope_kv_store,
+};
+
 int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err) {
+    /* QWENCUDA_CPU_KERNELS=float: every CPU backend runs the reference ops (device "cpu:float"
+     * asks for them per model) */
+    const char *env = getenv("QWENCUDA_CPU_KERNELS");
+    return qc_cpu_backend_create_kernels(threads, env != NULL && strcmp(env, "float") == 0, out, err);
+}
+
+int qc_cpu_backend_create_kernels(int threads, int float_reference, qc_backend **out, qc_error *err) {
     *out = NULL;
     qc_backend *be = calloc(1, sizeof *be);
     qc_cpu_state *st = calloc(1, sizeof *st);
     if (!be || !st) goto nomem;
-    be->ops = &cpu_ops;
+    st->simd = float_reference ? NULL : qc_simd_get();
+    be->ops = st->simd ? &cpu_fast_ops : &cpu_ops;
     be->name = "cpu";
     be->impl = st;
     if (threads <= 0) {

@@ -1,0 +1,82 @@
+/* cpu_simd.h: the CPU backend's fast kernels, chosen at run time from the CPU's features.
+ *
+ * The plain C ops (cpu_ops.c, quants.c) are the reference: float32 activations, one float dot
+ * per (row, token). The fast ops (cpu_fast.c) compute the same contracts of backend.h the way
+ * llama.cpp does on a CPU:
+ *  - activations are quantized per block of 32 to 8 bits (qc_q8_block: x ~ d * q, q in
+ *    -127..127, round to nearest even, d = max|x| / 127), once per matmul;
+ *  - every weight block is multiplied with them in integers (AVX2: vpmaddubsw + vpmaddwd) and
+ *    scaled to float once per block of 32 (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K);
+ *  - F32 and F16 weights keep float activations (FMA over 8 lanes; F16 through F16C);
+ *  - every other type falls back to the reference's qc_dot_row.
+ * The kernels are compiled with per-function target attributes (simd_avx2.c), so the module is
+ * still built for baseline x86-64 and runs anywhere; qc_simd_get() picks them once, from
+ * cpuid, and returns NULL where the CPU lacks them (or on other architectures): the backend
+ * then runs the reference ops.
+ *
+ * Numerics of the 8-bit path: quantizing x costs a relative error of at most 1/254 of a
+ * block's largest |x| per element (typically ~1e-3 of a dot product's scale), the products
+ * are exact integers, and the scaled block sums are accumulated in float32 (FMA, 8 lanes,
+ * added pairwise at the end). Each (row, token) value is computed by the same instruction
+ * sequence whatever the number of tokens of the call, so a prefill gives exactly the bits of
+ * token-by-token decoding, and the fused ops equal their unfused sequences bit for bit.
+ */
+#ifndef QC_CPU_SIMD_H
+#define QC_CPU_SIMD_H
+
+#include <stdint.h>
+
+#define QC_Q8_BLOCK 32
+
+/* 32 activations quantized: x[i] ~ d * qs[i]; s = d * sum(qs), exactly what the offsets of
+ * Q4_0 / Q5_0 / Q4_K blocks need (their dot products subtract offset * sum x). 40 bytes. */
+typedef struct {
+    float d;
+    float s;
+    int8_t qs[QC_Q8_BLOCK];
+} qc_q8_block;
+
+/* Tokens that one call of a q8 dot kernel multiplies with one weight row: the row's blocks
+ * are unpacked once and used for each token (a prefill's dominant cost is unpacking). */
+#define QC_Q8_MAX_TOKENS 4
+
+/* out[t] = dot(row, token t) for t < n_tok (1..QC_Q8_MAX_TOKENS), where token t's blocks are
+ * x[t * x_stride .. t * x_stride + n_blocks), n_blocks = row elements / 32. */
+typedef void (*qc_q8_dot_fn)(const void *row, const qc_q8_block *x, int64_t x_stride, int n_tok,
+                             int64_t n_blocks, float *out);
+/* dot(row, x) of a float row type (F32, F16) with float activations, n elements. */
+typedef float (*qc_f_dot_fn)(const void *row, const float *x, int64_t n);
+/* n values of x (a multiple of 32) to n / 32 blocks. */
+typedef void (*qc_q8_quantize_fn)(const float *x, int64_t n, qc_q8_block *out);
+/* out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, n values (out may alias g or u). */
+typedef void (*qc_silu_mul_fn)(const float *g, const float *u, int64_t n, float *out);
+/* The sum of x[i]^2 in float64 (rmsnorm's sum of squares, in the kernel's lane order). */
+typedef double (*qc_sumsq_fn)(const float *x, int64_t n);
+/* The index of the first maximum of x[n] (NaN never wins, all-NaN gives 0). */
+typedef int64_t (*qc_argmax_fn)(const float *x, int64_t n);
+
+typedef struct {
+    const char *name;                      /* "avx2+fma+f16c": what build_info reports */
+    qc_q8_quantize_fn quantize;
+    qc_q8_dot_fn q8_dot[64];               /* by qc_type; NULL: no 8-bit kernel for the type */
+    qc_f_dot_fn f_dot[64];                 /* by qc_type; F32 and F16 */
+    qc_silu_mul_fn silu_mul;
+    qc_sumsq_fn sumsq;
+    qc_argmax_fn argmax;
+} qc_simd_kernels;
+
+/* The fast kernels this CPU runs, or NULL (no AVX2 + FMA + F16C, or not x86-64): detected once
+ * (thread-safe). */
+const qc_simd_kernels *qc_simd_get(void);
+
+/* "avx2+fma+f16c, q8 dot products (Q4_0 Q5_0 Q8_0 Q4_K Q6_K), f16/f32 fma" or "portable C
+ * (float32 reference)": what the default CPU backend runs on this machine. */
+const char *qc_simd_describe(void);
+
+/* The x86-64 kernels (simd_avx2.c); NULL where the compiler cannot build them. */
+const qc_simd_kernels *qc_simd_avx2_kernels(void);
+
+/* Portable C quantization, the specification of the SIMD one (bit-identical). */
+void qc_q8_quantize_ref(const float *x, int64_t n, qc_q8_block *out);
+
+#endif /* QC_CPU_SIMD_H */

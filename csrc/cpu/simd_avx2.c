@@ -1,0 +1,424 @@
+/* simd_avx2.c: the fast CPU kernels for x86-64 with AVX2, FMA and F16C (Haswell, Zen and
+ * later), compiled with per-function target attributes so that the module itself stays
+ * baseline x86-64: nothing here runs unless qc_simd_get() found the features (cpu_simd.c).
+ * The formats and numerics are described in cpu_simd.h; the weight layouts are quants.h's
+ * (and gguf's), unpacked here 32 elements at a time into bytes.
+ *
+ * The integer dot of 32 weights with 32 activations: vpmaddubsw multiplies unsigned bytes by
+ * signed bytes and adds adjacent pairs into int16, vpmaddwd by ones adds pairs again into
+ * eight int32. Signed weights go through the sign trick (|w| unsigned, times x with w's sign),
+ * as llama.cpp's kernels do. No int16 can saturate: |w| <= 128 and |x| <= 127 give pairs of at
+ * most 2 * 128 * 127 = 32512.
+ */
+#include "cpu_simd.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "quants.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define QC_AVX2 __attribute__((target("avx2,fma,f16c")))
+/* always_inline: a kernel is specialised for each constant token count (1..4) */
+#define QC_AVX2_INLINE static inline __attribute__((target("avx2,fma,f16c"), always_inline))
+
+QC_AVX2_INLINE float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+QC_AVX2_INLINE float half(qc_half h) { return _cvtsh_ss(h); }
+
+/* eight int32 sums of pairs of pairs of u[i] * s[i], u unsigned, s signed */
+QC_AVX2_INLINE __m256i dot_us(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* the same for signed w: |w| times x with the sign of w */
+QC_AVX2_INLINE __m256i dot_ss(__m256i w, __m256i x) {
+    return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+/* 16 bytes of packed nibbles to 32 bytes 0..15: low nibbles (elements 0..15) then high ones */
+QC_AVX2_INLINE __m256i nibbles32(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+/* Bit i of the 32-bit little-endian word at p to byte i: 0xff where set, 0 where clear.
+ * Byte i takes byte i / 8 of the word (vpshufb works in 128-bit lanes, and the word is
+ * broadcast to every lane) and keeps bit i % 8. */
+QC_AVX2_INLINE __m256i bits32(const uint8_t *p) {
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w), idx);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+QC_AVX2_INLINE __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* ---------------------------------------------------------------------------------------- */
+/* activations to 8 bits                                                                     */
+
+QC_AVX2 static void quantize_avx2(const float *x, int64_t n, qc_q8_block *out) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < n / QC_Q8_BLOCK; b++) {
+        const float *xb = x + b * QC_Q8_BLOCK;
+        __m256 v[4];
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        /* the expressions of qc_q8_quantize_ref, so that both give the same bits */
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int k = 0; k < 4; k++)
+            q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], vid),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        /* packs interleave the 128-bit lanes: the permute puts the 8 dwords back in order */
+        const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+        out[b].d = d;
+        out[b].s = d * (float)_mm_cvtsi128_si32(s4);
+        _mm256_storeu_si256((__m256i *)out[b].qs, p8);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* weight rows by 8-bit activations: one row, n_tok tokens (a compile-time constant in each
+ * specialisation, so that the accumulators stay in registers). For every token the sequence
+ * of operations is the same whatever n_tok is. */
+
+#define QC_DISPATCH(kernel)                                                                   \
+    QC_AVX2 static void kernel##_dot(const void *row, const qc_q8_block *x, int64_t xs,      \
+                                     int n_tok, int64_t nb, float *out) {                     \
+        switch (n_tok) {                                                                      \
+        case 1: kernel##_rows(row, x, xs, 1, nb, out); break;                                 \
+        case 2: kernel##_rows(row, x, xs, 2, nb, out); break;                                 \
+        case 3: kernel##_rows(row, x, xs, 3, nb, out); break;                                 \
+        default: kernel##_rows(row, x, xs, 4, nb, out); break;                                \
+        }                                                                                     \
+    }
+
+/* Q8_0: x = d * q */
+QC_AVX2_INLINE void q8_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    const qc_block_q8_0 *w = row;
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const float dw = half(w[b].d);
+        const __m256i q = load32(w[b].qs);
+        const __m256i uq = _mm256_sign_epi8(q, q);
+        for (int t = 0; t < nt; t++) {
+            const qc_q8_block *xb = x + t * xs + b;
+            const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xb->d), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+}
+QC_DISPATCH(q8_0)
+
+/* Q4_0: x = d * (q - 8), q 0..15 */
+QC_AVX2_INLINE void q4_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    const qc_block_q4_0 *w = row;
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const float dw = half(w[b].d);
+        const __m256i q = _mm256_sub_epi8(nibbles32(w[b].qs), _mm256_set1_epi8(8));
+        const __m256i uq = _mm256_sign_epi8(q, q);
+        for (int t = 0; t < nt; t++) {
+            const qc_q8_block *xb = x + t * xs + b;
+            const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xb->d), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+}
+QC_DISPATCH(q4_0)
+
+/* Q5_0: x = d * (q - 16), q = nibble | bit << 4. q - 16 is the nibble with 0xf0 or-ed in
+ * where the bit is clear (two's complement of nibble - 16) and the nibble itself where set. */
+QC_AVX2_INLINE void q5_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    const qc_block_q5_0 *w = row;
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const float dw = half(w[b].d);
+        const __m256i hi = _mm256_andnot_si256(bits32(w[b].qh), _mm256_set1_epi8((char)0xf0));
+        const __m256i q = _mm256_or_si256(nibbles32(w[b].qs), hi);
+        const __m256i uq = _mm256_sign_epi8(q, q);
+        for (int t = 0; t < nt; t++) {
+            const qc_q8_block *xb = x + t * xs + b;
+            const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xb->d), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+}
+QC_DISPATCH(q5_0)
+
+/* Q4_K: super-blocks of 256 = 8 sub-blocks of 32 (one activation block each) with 6-bit
+ * scales sc and mins m: x = d * sc * q - dmin * m, q 0..15. Byte l of the j-th 32 bytes of qs
+ * holds element 64j + l in its low nibble and 64j + 32 + l in its high one. The dot with one
+ * activation block is d*sc * dx * sum(q * qx) - dmin*m * s (s = dx * sum(qx)). */
+QC_AVX2_INLINE void q4_K_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    /* gguf's get_scale_min_k4 */
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        m[j] = s[j + 4] & 63;
+    }
+    for (int j = 4; j < 8; j++) {
+        sc[j] = (uint8_t)((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
+        m[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    const qc_block_q4_K *w = row;
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    float mins[QC_Q8_MAX_TOKENS];
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        mins[t] = 0.0f;
+    }
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const qc_block_q4_K *wb = w + sb;
+        const float d = half(wb->d), dmin = half(wb->dmin);
+        uint8_t sc[8], m[8];
+        q4_K_scales(wb->scales, sc, m);
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = load32(wb->qs + 32 * j);
+            const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0f));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
+            const float dlo = d * (float)sc[2 * j], dhi = d * (float)sc[2 * j + 1];
+            const float mlo = dmin * (float)m[2 * j], mhi = dmin * (float)m[2 * j + 1];
+            for (int t = 0; t < nt; t++) {
+                const qc_q8_block *xb = x + t * xs + sb * 8 + 2 * j;
+                const __m256i plo = dot_us(lo, load32(xb[0].qs));
+                const __m256i phi = dot_us(hi, load32(xb[1].qs));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(dlo * xb[0].d), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(dhi * xb[1].d), acc[t]);
+                mins[t] = fmaf(mlo, xb[0].s, mins[t]);
+                mins[t] = fmaf(mhi, xb[1].s, mins[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]) - mins[t];
+}
+QC_DISPATCH(q4_K)
+
+/* Q6_K: super-blocks of 256 = 16 sub-blocks of 16 with int8 scales: x = d * sc * (q - 32),
+ * q = 4 low bits from ql and 2 high bits from qh, 0..63. In each half of 128 elements, byte l
+ * (l < 32) of ql[0..31] holds elements l (low nibble) and 64 + l (high), ql[32..63] elements
+ * 32 + l and 96 + l, and qh[l] their high bits in bit pairs 0, 2, 4, 6 for elements l,
+ * 32 + l, 64 + l, 96 + l. Each group of 32 is one activation block whose two halves of 16
+ * have their own scale: vpmaddwd by (sc_a x8, sc_b x8) applies both. */
+QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    const qc_block_q6_K *w = row;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const qc_block_q6_K *wb = w + sb;
+        const float d = half(wb->d);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = load32(wb->ql + 64 * h), ql1 = load32(wb->ql + 64 * h + 32);
+            const __m256i qh = load32(wb->qh + 32 * h);
+            __m256i g[4];
+            g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+            g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+            g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+            g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+            for (int k = 0; k < 4; k++) {
+                const __m256i q = _mm256_sub_epi8(g[k], off);
+                const __m256i uq = _mm256_sign_epi8(q, q);
+                const int8_t *sc = wb->scales + 8 * h + 2 * k;
+                const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+                for (int t = 0; t < nt; t++) {
+                    const qc_q8_block *xb = x + t * xs + sb * 8 + 4 * h + k;
+                    const __m256i p16 = _mm256_maddubs_epi16(uq, _mm256_sign_epi8(load32(xb->qs), q));
+                    const __m256i p = _mm256_madd_epi16(p16, scales);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xb->d), acc[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+}
+QC_DISPATCH(q6_K)
+
+/* ---------------------------------------------------------------------------------------- */
+/* float rows by float activations                                                           */
+
+QC_AVX2 static float f32_dot(const void *row, const float *x, int64_t n) {
+    const float *w = row;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    float sum = hsum_ps(_mm256_add_ps(a0, a1));
+    for (; i < n; i++) sum = fmaf(w[i], x[i], sum);
+    return sum;
+}
+
+QC_AVX2 static float f16_dot(const void *row, const float *x, int64_t n) {
+    const uint16_t *w = row;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
+        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8)));
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i + 8), a1);
+    }
+    float sum = hsum_ps(_mm256_add_ps(a0, a1));
+    for (; i < n; i++) sum = fmaf(half(w[i]), x[i], sum);
+    return sum;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* elementwise and reductions                                                                 */
+
+/* exp(x) for 8 floats, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts),
+ * e^r by its degree-7 polynomial, 2^n put in the exponent. Relative error ~2 ulp; x is clamped
+ * to [-87.3, 88.7] (e^x then is at most FLT_MAX and at least a normal float). */
+QC_AVX2_INLINE __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.7f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* n in -126..128: 2^n as exponent bits n + 127, split in two factors so that n = 128 (x
+     * near 88.7) does not overflow the exponent field */
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i half_n = _mm256_srai_epi32(ni, 1);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half_n, _mm256_set1_epi32(127)), 23));
+    const __m256 f2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half_n), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+QC_AVX2_INLINE __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+/* Every element, the tail included, goes through the same 8-wide code, so that a value does
+ * not depend on where it sits in the array (the fused and unfused swiglu agree bit for bit). */
+QC_AVX2 static void silu_mul_avx2(const float *g, const float *u, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < n) {
+        float gb[8] = {0}, ub[8] = {0}, ob[8];
+        memcpy(gb, g + i, sizeof(float) * (size_t)(n - i));
+        memcpy(ub, u + i, sizeof(float) * (size_t)(n - i));
+        _mm256_storeu_ps(ob, silu_mul8(_mm256_loadu_ps(gb), _mm256_loadu_ps(ub)));
+        memcpy(out + i, ob, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+/* sum of squares in float64: 8 lanes (two vectors of 4 doubles), then the tail */
+QC_AVX2 static double sumsq_avx2(const float *x, int64_t n) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256d lo = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+        const __m256d hi = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4));
+        a0 = _mm256_fmadd_pd(lo, lo, a0);
+        a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    const __m256d a = _mm256_add_pd(a0, a1);
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
+    double sum = _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+    for (; i < n; i++) sum += (double)x[i] * (double)x[i];
+    return sum;
+}
+
+/* First index of the maximum: the maximum first (vmaxps returns its second operand when the
+ * first is NaN, so NaN never enters the running maximum), then the first element equal to it. */
+QC_AVX2 static int64_t argmax_avx2(const float *x, int64_t n) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(x + i), m8);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float best = _mm_cvtss_f32(m4);
+    for (; i < n; i++)
+        if (x[i] > best) best = x[i];
+    const __m256 b8 = _mm256_set1_ps(best);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), b8, _CMP_EQ_OQ));
+        if (mask) return i + __builtin_ctz((unsigned)mask);
+    }
+    for (; i < n; i++)
+        if (x[i] == best) return i;
+    return 0;   /* only NaN */
+}
+
+static const qc_simd_kernels avx2_kernels = {
+    .name = "avx2+fma+f16c",
+    .quantize = quantize_avx2,
+    .q8_dot = {
+        [QC_TYPE_Q4_0] = q4_0_dot,
+        [QC_TYPE_Q5_0] = q5_0_dot,
+        [QC_TYPE_Q8_0] = q8_0_dot,
+        [QC_TYPE_Q4_K] = q4_K_dot,
+        [QC_TYPE_Q6_K] = q6_K_dot,
+    },
+    .f_dot = {
+        [QC_TYPE_F32] = f32_dot,
+        [QC_TYPE_F16] = f16_dot,
+    },
+    .silu_mul = silu_mul_avx2,
+    .sumsq = sumsq_avx2,
+    .argmax = argmax_avx2,
+};
+
+const qc_simd_kernels *qc_simd_avx2_kernels(void) { return &avx2_kernels; }
+
+#else
+
+const qc_simd_kernels *qc_simd_avx2_kernels(void) { return NULL; }
+
+#endif
