@@ -65,3 +65,19 @@ def real_gguf_reader(real_model_path):
     import gguf
 
     return gguf.GGUFReader(real_model_path)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line on the outside oracles that need optional packages, so that a report can say how
+    many ran: HF transformers (torch; the GPU machine has it) and llama.cpp's recorded tensors."""
+    oracles = {"HF transformers": "hf_transformers", "llama.cpp layers": "test_llamacpp_layers.py"}
+    for label, key in oracles.items():
+        outcome = {}
+        for status in ("failed", "error", "skipped", "passed"):    # a test's worst report wins
+            for rep in terminalreporter.stats.get(status, []):
+                if key in getattr(rep, "nodeid", ""):
+                    outcome.setdefault(rep.nodeid, status)
+        if outcome:
+            counts = {s: list(outcome.values()).count(s) for s in ("passed", "failed", "skipped", "error")}
+            terminalreporter.write_line(f"outside oracle {label}: " + ", ".join(
+                f"{n} {s}" for s, n in counts.items() if n))

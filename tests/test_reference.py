@@ -385,7 +385,8 @@ def _compare_hf(ref, ids):
 
 
 @pytest.mark.parametrize("cfg", ["tiny", "tiny-gqa7", "tiny-hd128", "tiny-tied", "tiny-q4_k_m"])
-def test_matches_hf_transformers(models, cfg):
+def test_matches_hf_transformers(models, cfg, record_property):
+    record_property("oracle", "hf_transformers")      # counted in the terminal summary (conftest.py)
     _compare_hf(models[cfg], IDS)
 
 
@@ -436,5 +437,8 @@ def test_real_fault_breaks_it(real):
     assert good == 198 and bad != good
 
 
-def test_real_matches_hf_transformers(real):
-    _compare_hf(real, FIB_IDS)
+def test_real_matches_hf_transformers(request, record_property):
+    record_property("oracle", "hf_transformers")
+    pytest.importorskip("torch")                      # before the real model's reference is built
+    pytest.importorskip("transformers")
+    _compare_hf(request.getfixturevalue("real"), FIB_IDS)
