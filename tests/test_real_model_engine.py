@@ -7,7 +7,12 @@ Q4_K, Q6_K and F32, so this run covers the exact type mix of the seeds' engine.
 Tolerances. Both engines use the same dequantized weights and float32 arithmetic; over 24
 layers the summation-order differences grow to ~1e-5 relative on the logits (measured: see -s).
   logits: ||engine - ref|| / ||ref|| <= 1e-3 and max-abs <= 0.02 (logits span about +-20)
-Greedy continuations (16 tokens): the engine decodes step by step with its KV cache; one
+The fast kernels (device="cpu": 8-bit activations, csrc/cpu/cpu_simd.h) differ from the
+reference by the rounding of every matmul's input: measured 1.5e-2 .. 2.1e-2 relative, max-abs up to 0.9 on
+the logits, so they are held to
+  logits: relative <= 3e-2, argmax equal wherever the top-two gap is >= 2 (twice the max-abs)
+and the float32 reference ops (device="cpu:float") to the float32 tolerances above.
+Greedy continuations (16 tokens, on the fast kernels): the engine decodes step by step with its KV cache; one
 reference pass over prompt + continuation then gives the reference's argmax at every position
 (teacher forcing, equal to the reference's own greedy run up to the first difference). They must
 agree at every position, except where the reference's top-two logits are within 0.2 (a near-tie
@@ -28,6 +33,7 @@ PROMPTS = {
 }
 N_NEW = 16
 RTOL, ATOL = 1e-3, 0.02
+Q8_RTOL, Q8_GAP = 3e-2, 2.0
 NEAR_TIE = 0.2
 
 
@@ -50,9 +56,29 @@ def test_real_model_config(engines):
     assert c.rope_theta == pytest.approx(1e6) and c.norm_eps == pytest.approx(1e-6)
 
 
+@pytest.fixture(scope="module")
+def float_engine(real_model_path):
+    with qc.Model(real_model_path, device="cpu:float") as m:
+        yield m
+
+
 @pytest.mark.parametrize("name", ["fibonacci", "haiku-chat"])
-def test_real_model_logits_match_reference(engines, name):
+def test_real_model_fast_logits_match_reference(engines, name):
     m, ref = engines
+    ids = PROMPTS[name]
+    want = qc.reference.forward(ref, ids, logits="all")
+    got = m.forward(ids, logits="all")
+    r, a = rel_err(got.logits, want.logits), max_abs(got.logits, want.logits)
+    print(f"{name} (cpu: {qc.build_info()['cpu_kernels']}): logits rel {r:.2e} max-abs {a:.2e}")
+    assert r <= Q8_RTOL
+    top2 = np.sort(want.logits, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] >= Q8_GAP
+    np.testing.assert_array_equal(got.argmax[clear], want.argmax[clear])
+
+
+@pytest.mark.parametrize("name", ["fibonacci", "haiku-chat"])
+def test_real_model_logits_match_reference(float_engine, real_reference, name):
+    m, ref = float_engine, real_reference
     ids = PROMPTS[name]
     want = qc.reference.forward(ref, ids, capture=["blk.0.q", "blk.23.resid_out"], logits="all")
     got = m.forward(ids, capture=["blk.0.q", "blk.23.resid_out"], logits="all")
