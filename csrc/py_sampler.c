@@ -23,17 +23,42 @@ static void params_default(qc_sampler_params *p) {
     p->seed = 0;
 }
 
-/* seed: any Python int; negative ones wrap modulo 2^64 (so seed=-1 is a seed like any other). */
+/* seed: an int in [-2^63, 2^64); negative ones wrap modulo 2^64 (seed=-1 is a seed like any
+ * other). Beyond that range two different seeds would give the same draws: refused. */
 static int parse_seed(PyObject *obj, uint64_t *out) {
     if (obj == NULL) return 0;
-    if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "seed must be an int, not %s", Py_TYPE(obj)->tp_name);
+    PyObject *v = PyNumber_Index(obj);   /* ints and NumPy integers; floats are a TypeError */
+    if (v == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "seed must be an int, not %s", Py_TYPE(obj)->tp_name);
+        }
         return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLongMask(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *out = (uint64_t)v;
-    return 0;
+    int overflow = 0;
+    long long s = PyLong_AsLongLongAndOverflow(v, &overflow);
+    int rc = 0;
+    if (s == -1 && !overflow && PyErr_Occurred()) {
+        rc = -1;
+    } else if (overflow < 0) {
+        PyErr_SetString(PyExc_ValueError, "seed must be in [-2**63, 2**64)");
+        rc = -1;
+    } else if (overflow > 0) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(v);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_ValueError, "seed must be in [-2**63, 2**64)");
+            }
+            rc = -1;
+        } else {
+            *out = (uint64_t)u;
+        }
+    } else {
+        *out = (uint64_t)s;
+    }
+    Py_DECREF(v);
+    return rc;
 }
 
 /* logits -> a float32 C-contiguous array of n_vocab values (a new reference). */
@@ -108,7 +133,8 @@ static PyObject *Sampler_accept(SamplerObject *self, PyObject *arg) {
         PyErr_Format(PyExc_ValueError, "token %lld is out of range [0, %lld)", t, self->n_vocab);
         return NULL;
     }
-    qc_sampler_accept(self->s, (int32_t)t);
+    qc_error err = {0};
+    if (qc_sampler_accept(self->s, (int32_t)t, &err) < 0) return qc_py_raise(&err);
     Py_RETURN_NONE;
 }
 

@@ -42,8 +42,10 @@ struct qc_sampler {
     qc_sampler_params p;
     int64_t n_vocab;
     uint64_t rng;             /* xorshift64* state, never 0 */
-    int32_t *history;         /* (repeat_last_n) ring of accepted tokens */
-    int n_history;            /* entries filled, <= repeat_last_n */
+    int32_t *history;         /* (hist_cap) ring of accepted tokens */
+    int hist_cap;             /* entries allocated: grows with the tokens accepted, up to
+                               * repeat_last_n (a large repeat_last_n costs nothing up front) */
+    int n_history;            /* entries filled, <= hist_cap */
     int head;                 /* next slot to write */
     qc_sample_state *state;   /* (qc_sampler_state_bytes) the next draw's state, exported */
     void *work;               /* (qc_sample_work_bytes) */
@@ -306,7 +308,9 @@ uint64_t qc_sample_rng_from_seed(uint64_t seed) {
 }
 
 size_t qc_sampler_state_bytes(const qc_sampler *s) {
-    int cap = s->p.repeat_last_n > 0 ? s->p.repeat_last_n : 0;
+    /* the export holds distinct tokens only: never more than n_vocab */
+    int64_t cap = s->p.repeat_last_n > 0 ? s->p.repeat_last_n : 0;
+    if (cap > s->n_vocab) cap = s->n_vocab;
     return sizeof(qc_sample_state) + (size_t)cap * sizeof(int32_t);
 }
 
@@ -315,25 +319,32 @@ int qc_sampler_create(const qc_sampler_params *p, int64_t n_vocab, qc_sampler **
     *out = NULL;
     if (n_vocab < 1 || n_vocab > INT32_MAX)
         return qc_fail(err, QC_ERR_VALUE, "n_vocab must be in [1, 2^31), got %lld", (long long)n_vocab);
-    if (isnan(p->temperature)) return qc_fail(err, QC_ERR_VALUE, "temperature is NaN");
-    if (isnan(p->top_p) || p->top_p < 0.0f)
-        return qc_fail(err, QC_ERR_VALUE, "top_p must be in [0, 1], got %g", (double)p->top_p);
+    /* The one place where the sampling parameters are checked (Sampler, sample(), generate()
+     * and the device draw all come through here). */
+    if (!(p->temperature >= 0.0f) || isinf(p->temperature))
+        return qc_fail(err, QC_ERR_VALUE, "temperature must be >= 0 and finite (0: greedy), got %g",
+                       (double)p->temperature);
+    if (p->top_k < 0)
+        return qc_fail(err, QC_ERR_VALUE, "top_k must be >= 0 (0: off), got %d", p->top_k);
+    if (!(p->top_p >= 0.0f && p->top_p <= 1.0f))
+        return qc_fail(err, QC_ERR_VALUE, "top_p must be in [0, 1] (1: off; 0 keeps the best token), "
+                       "got %g", (double)p->top_p);
     if (isnan(p->min_p) || p->min_p < 0.0f || p->min_p > 1.0f)
         return qc_fail(err, QC_ERR_VALUE, "min_p must be in [0, 1], got %g", (double)p->min_p);
     if (!(p->repeat_penalty > 0.0f) || isinf(p->repeat_penalty))
         return qc_fail(err, QC_ERR_VALUE, "repeat_penalty must be > 0 and finite, got %g",
                        (double)p->repeat_penalty);
     if (p->repeat_last_n < 0)
-        return qc_fail(err, QC_ERR_VALUE, "repeat_last_n must be >= 0, got %d", p->repeat_last_n);
+        return qc_fail(err, QC_ERR_VALUE, "repeat_last_n must be >= 0 (0: no penalty history), got %d",
+                       p->repeat_last_n);
     s = calloc(1, sizeof *s);
     if (s == NULL) return qc_fail(err, QC_ERR_NOMEM, "sampler: out of memory");
     s->p = *p;
     s->n_vocab = n_vocab;
     s->rng = qc_sample_rng_from_seed(p->seed);
-    s->history = malloc((size_t)(p->repeat_last_n > 0 ? p->repeat_last_n : 1) * sizeof *s->history);
     s->state = malloc(qc_sampler_state_bytes(s));
     s->work = malloc(qc_sample_work_bytes(n_vocab));
-    if (!s->history || !s->state || !s->work) {
+    if (!s->state || !s->work) {
         qc_sampler_free(s);
         return qc_fail(err, QC_ERR_NOMEM, "sampler: out of memory");
     }
@@ -353,11 +364,23 @@ void qc_sampler_free(qc_sampler *s) {
 
 int64_t qc_sampler_n_vocab(const qc_sampler *s) { return s->n_vocab; }
 
-void qc_sampler_accept(qc_sampler *s, int32_t token) {
-    if (s->p.repeat_last_n <= 0 || token < 0 || token >= s->n_vocab) return;
+int qc_sampler_accept(qc_sampler *s, int32_t token, qc_error *err) {
+    if (s->p.repeat_last_n <= 0 || token < 0 || token >= s->n_vocab) return 0;
+    if (s->n_history == s->hist_cap && s->hist_cap < s->p.repeat_last_n) {
+        /* Not yet wrapped (head == n_history): growing keeps the order. */
+        int64_t cap = s->hist_cap ? 2 * (int64_t)s->hist_cap : 64;
+        if (cap > s->p.repeat_last_n) cap = s->p.repeat_last_n;
+        int32_t *h = realloc(s->history, (size_t)cap * sizeof *h);
+        if (h == NULL)
+            return qc_fail(err, QC_ERR_NOMEM, "sampler: out of memory for %lld history tokens",
+                           (long long)cap);
+        s->history = h;
+        s->hist_cap = (int)cap;
+    }
     s->history[s->head] = token;
     s->head = (s->head + 1) % s->p.repeat_last_n;
     if (s->n_history < s->p.repeat_last_n) s->n_history++;
+    return 0;
 }
 
 size_t qc_sampler_export(qc_sampler *s, qc_sample_state *st) {

@@ -20,9 +20,9 @@ extern "C" {
 #endif
 
 typedef struct {
-    float temperature;        /* <= 0: greedy */
-    int top_k;                /* <= 0: off */
-    float top_p;              /* >= 1: off */
+    float temperature;        /* >= 0, finite; 0: greedy (qc_sampler_create checks each field) */
+    int top_k;                /* >= 0; 0: off */
+    float top_p;              /* [0, 1]; 1: off, 0: the best token only */
     float min_p;              /* <= 0: off */
     float repeat_penalty;     /* 1: off (llama.cpp semantics: divide positive, multiply negative) */
     int repeat_last_n;        /* how many recent tokens the penalty looks at */
@@ -68,8 +68,9 @@ void qc_sampler_free(qc_sampler *s);
 int64_t qc_sampler_n_vocab(const qc_sampler *s);
 /* Pick a token from logits[n_vocab] (not modified); advances the RNG. */
 int32_t qc_sampler_sample(qc_sampler *s, const float *logits);
-/* Record a token as generated (or as part of the prompt) for the repetition penalty. */
-void qc_sampler_accept(qc_sampler *s, int32_t token);
+/* Record a token as generated (or as part of the prompt) for the repetition penalty; -1 only
+ * when the history cannot grow (out of memory). */
+int qc_sampler_accept(qc_sampler *s, int32_t token, qc_error *err);
 /* The state of the next draw (header + the distinct recent tokens): at most
  * qc_sampler_state_bytes(s) bytes into buf; returns the bytes written. */
 size_t qc_sampler_state_bytes(const qc_sampler *s);

@@ -110,17 +110,6 @@ def _normalize_stop(stop) -> tuple:
     return stops
 
 
-def _check_number(name, value, low, high=None, low_open=False):
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, not {type(value).__name__}") from None
-    if v != v or v < low or (low_open and v == low) or (high is not None and v > high):
-        bound = f"> {low}" if low_open else f">= {low}"
-        bound += f" and <= {high}" if high is not None else ""
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-
-
 def _prompt_ids(model, prompt, allow_special, chat, system) -> list:
     tok = model.tokenizer
     if chat:
@@ -154,11 +143,11 @@ def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repea
           repeat_last_n, seed, stop, allow_special, chat, system, progress, max_context) -> _Plan:
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    _check_number("temperature", temperature, 0.0)
-    _check_number("top_k", top_k, 0)
-    _check_number("top_p", top_p, 0.0, 1.0, low_open=True)
-    _check_number("min_p", min_p, 0.0, 1.0)
-    _check_number("repeat_penalty", repeat_penalty, 0.0, low_open=True)
+    sampler_kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+    from .sampling import Sampler
+
+    Sampler(1, **sampler_kwargs)   # the sampler's checks (the one place for them), before any work
     stops = _normalize_stop(stop)
     ids = _prompt_ids(model, prompt, allow_special, chat, system)
     n_ctx_train = int(getattr(model.config, "n_ctx_train", 0) or 0)
@@ -173,9 +162,7 @@ def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repea
         raise ValueError(f"the prompt has {len(ids)} tokens, more than {limit} ({max_context})")
     return _Plan(
         ids=ids, max_new_tokens=int(max_new_tokens), max_context=max_context,
-        sampler_kwargs=dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                            min_p=float(min_p), repeat_penalty=float(repeat_penalty),
-                            repeat_last_n=int(repeat_last_n), seed=int(seed)),
+        sampler_kwargs=sampler_kwargs,
         stops=stops, eog=_eog_ids(model.tokenizer), progress=bool(progress),
     )
 

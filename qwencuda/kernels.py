@@ -210,6 +210,8 @@ def rmsnorm(x, w, eps=1e-6, device="cpu"):
     w = _f32(w, "w", 1)
     if x.ndim == 0 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"rmsnorm: x's last axis ({x.shape}) must match w ({w.shape[0]})")
+    if w.shape[0] == 0:
+        raise ValueError(f"rmsnorm: the normalised axis of x {x.shape} is empty (mean of no values)")
     out = _core.kernel_rmsnorm(_device(device), x.reshape(-1, w.shape[0]), w, float(eps))
     return out.reshape(x.shape)
 
@@ -292,21 +294,23 @@ def attention(q, k_cache, v_cache, pos, n_head_kv, n_kv=None, scores=False, devi
 
 
 def swiglu(gate, up, device="cpu"):
-    """silu(gate) * up elementwise, silu(g) = g / (1 + exp(-g))."""
+    """silu(gate) * up elementwise, silu(g) = g / (1 + exp(-g)); the result has their shape."""
+    shape, up_shape = np.shape(gate), np.shape(up)   # before _f32, which makes 0-d inputs 1-D
     gate = _f32(gate, "gate")
     up = _f32(up, "up")
-    if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} differ")
-    return _core.kernel_swiglu(_device(device), gate, up)
+    if shape != up_shape:
+        raise ValueError(f"swiglu: gate {shape} and up {up_shape} differ")
+    return _core.kernel_swiglu(_device(device), gate, up).reshape(shape)
 
 
 def add(a, b, device="cpu"):
-    """a + b elementwise (same shapes)."""
+    """a + b elementwise (same shapes); the result has their shape."""
+    shape, b_shape = np.shape(a), np.shape(b)   # before _f32, which makes 0-d inputs 1-D
     a = _f32(a, "a")
     b = _f32(b, "b")
-    if a.shape != b.shape:
-        raise ValueError(f"add: shapes {a.shape} and {b.shape} differ")
-    return _core.kernel_add(_device(device), a, b)
+    if shape != b_shape:
+        raise ValueError(f"add: shapes {shape} and {b_shape} differ")
+    return _core.kernel_add(_device(device), a, b).reshape(shape)
 
 
 def argmax(x, device="cpu"):

@@ -219,7 +219,8 @@ class Session:
             raise ValueError("step() takes one token; use prefill() for several")
         if logits not in ("last", None):
             raise ValueError(f"step() logits must be 'last' or None, got {logits!r}")
-        return self.prefill([int(np.asarray(token).reshape(-1)[0])], capture=capture, logits=logits,
+        # prefill checks the id as forward does (a float is a TypeError, not truncated)
+        return self.prefill(np.asarray(token).reshape(1), capture=capture, logits=logits,
                             sampler=sampler)
 
     def reset(self):
@@ -228,7 +229,7 @@ class Session:
 
     def rewind(self, n):
         """Forget the last n tokens (0 <= n <= position)."""
-        self._core().rewind(int(n))
+        self._core().rewind(n)   # an int (the core refuses 1.7 rather than rewinding 1)
 
     def close(self):
         if self._s is not None:

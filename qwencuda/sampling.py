@@ -8,8 +8,14 @@ The chain follows llama.cpp: repetition penalty (on the last repeat_last_n accep
 positive logits divided by the penalty, negative ones multiplied, once per distinct token) ->
 top-k -> top-p (the smallest set of the best tokens whose temperature-1 softmax mass reaches
 top_p) -> min-p (tokens with probability >= min_p times the best one's) -> temperature -> one
-draw with the sampler's own seeded RNG. temperature <= 0 is greedy (after the penalty);
-top_k=1 is greedy too. The same seed and the same logits give the same tokens on every machine.
+draw with the sampler's own seeded RNG. temperature 0 is greedy (after the penalty); top_k=1 is
+greedy too. The same seed and the same logits give the same tokens on every machine.
+
+Arguments (checked once, in the C core, for Sampler, sample() and generate() alike):
+temperature >= 0 and finite; top_k an int >= 0 (0: off); top_p in [0, 1] (1: off); min_p in
+[0, 1]; repeat_penalty > 0 and finite (1: off); repeat_last_n an int >= 0 (the history grows
+with the tokens accepted, so a large value costs nothing up front); seed an int in
+[-2**63, 2**64) (negative ones wrap modulo 2**64).
 
 Non-finite logits: NaN never wins (it counts as -inf); if some logits are +inf, the first of them
 is chosen; if every logit is NaN or -inf, sample() raises ValueError.
@@ -26,10 +32,11 @@ class Sampler:
 
     def __init__(self, n_vocab, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  repeat_penalty=1.0, repeat_last_n=64, seed=0):
-        self._s = _core.Sampler(int(n_vocab), temperature=float(temperature), top_k=int(top_k),
-                                top_p=float(top_p), min_p=float(min_p),
-                                repeat_penalty=float(repeat_penalty),
-                                repeat_last_n=int(repeat_last_n), seed=int(seed))
+        # passed as given: the C core checks each argument (type and range) in one place,
+        # so 1.5 for top_k is a TypeError rather than 1
+        self._s = _core.Sampler(n_vocab, temperature=temperature, top_k=top_k, top_p=top_p,
+                                min_p=min_p, repeat_penalty=repeat_penalty,
+                                repeat_last_n=repeat_last_n, seed=seed)
 
     def sample(self, logits) -> int:
         """Pick a token from one row of n_vocab logits (the row is not modified)."""
@@ -37,7 +44,7 @@ class Sampler:
 
     def accept(self, token):
         """Record a token as generated (or as part of the prompt) for the repetition penalty."""
-        self._s.accept(int(token))
+        self._s.accept(token)
 
     @property
     def n_vocab(self) -> int:
@@ -61,6 +68,5 @@ def sample(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalt
     row = np.asarray(logits, dtype=np.float32)
     if row.ndim == 2 and row.shape[0] == 1:
         row = row[0]
-    return _core.sample(row, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                        min_p=float(min_p), repeat_penalty=float(repeat_penalty),
-                        repeat_last_n=int(repeat_last_n), seed=int(seed))
+    return _core.sample(row, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)

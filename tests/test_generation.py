@@ -134,7 +134,7 @@ def test_default_context_is_sized_to_the_request(fake):
 
 def test_bad_arguments(fake):
     m = fake("a")
-    for kwargs in [dict(max_new_tokens=-1), dict(temperature=-0.5), dict(top_p=0.0),
+    for kwargs in [dict(max_new_tokens=-1), dict(temperature=-0.5), dict(top_p=-0.1),
                    dict(top_p=1.5), dict(min_p=2.0), dict(repeat_penalty=0.0), dict(top_k=-3),
                    dict(stop=[""]), dict(system="s"), dict(max_context=0)]:
         with pytest.raises(ValueError):
