@@ -2,7 +2,11 @@
 
 Environment:
   QWENCUDA_CUDA=0          build the CPU-only module even where nvcc exists
-  QWENCUDA_CUDA_ARCHS      semicolon list of SM versions (default "80;86;89;90"; 90 = H100/H200)
+  QWENCUDA_CUDA_ARCHS      semicolon list of SM versions to compile for, e.g. "80;86;89;90" (90 =
+                           H100/H200), plus PTX of the last one. Default: the compute capability
+                           of the GPUs present (nvidia-smi); without a GPU one portable target,
+                           sm_90 machine code plus PTX for compute_80 (the oldest supported
+                           architecture), which the driver JIT-compiles for any other GPU >= 8.0
   CUDA_HOME / CUDA_PATH    where the toolkit lives (else nvcc on PATH, else /usr/local/cuda)
   QWENCUDA_DEBUG=1         -O0 -g builds
 """
@@ -19,7 +23,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "80;86;89;90"
+OLDEST_ARCH = "80"      # the kernels need sm_80 (Ampere) or newer
+PORTABLE_SASS = "90"    # machine code where no GPU tells us better: H100/H200
 
 
 def find_cuda():
@@ -44,12 +49,42 @@ def nvcc_version(nvcc):
     return m.group(1) if m else "unknown"
 
 
-def cuda_archs():
-    archs = [a.strip() for a in os.environ.get("QWENCUDA_CUDA_ARCHS", DEFAULT_ARCHS).split(";") if a.strip()]
-    for a in archs:
-        if not re.fullmatch(r"\d+a?", a):
-            raise SystemExit(f"QWENCUDA_CUDA_ARCHS: bad architecture {a!r} (want e.g. 80;90)")
-    return archs
+def present_archs(nvcc):
+    """The compute capabilities of the GPUs present, as "90" etc., if nvidia-smi tells them and
+    nvcc can compile for each; else []."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    caps = sorted({line.strip().replace(".", "") for line in out.stdout.splitlines()
+                   if re.fullmatch(r"\d+\.\d+", line.strip())}, key=int)
+    if out.returncode != 0 or not caps:
+        return []
+    known = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout
+    if known and any(f"compute_{c}" not in known for c in caps):
+        print(f"qwencuda: nvcc cannot compile for the GPU present (sm_{caps[-1]}): portable build")
+        return []
+    return [c for c in caps if int(c) >= int(OLDEST_ARCH)]
+
+
+def cuda_targets(nvcc):
+    """(sass archs, ptx arch, why): machine code for each of sass, plus PTX of ptx."""
+    env = os.environ.get("QWENCUDA_CUDA_ARCHS", "").strip()
+    if env:
+        archs = [a.strip() for a in env.split(";") if a.strip()]
+        for a in archs:
+            if not re.fullmatch(r"\d+a?", a):
+                raise SystemExit(f"QWENCUDA_CUDA_ARCHS: bad architecture {a!r} (want e.g. 80;90)")
+        # PTX of the highest architecture too, so newer GPUs can JIT it
+        return archs, archs[-1], "QWENCUDA_CUDA_ARCHS"
+    here = present_archs(nvcc)
+    if here:
+        return here, here[-1], "the GPU present"
+    return [PORTABLE_SASS], OLDEST_ARCH, "no GPU found: portable"
 
 
 class BuildExt(build_ext):
@@ -61,13 +96,15 @@ class BuildExt(build_ext):
                                   "-fvisibility=hidden", "-pthread"] + opt
         ext.extra_link_args = ["-pthread", "-lm"]
         if cuda_home:
-            archs = cuda_archs()
+            sass, ptx, why = cuda_targets(nvcc)
             version = nvcc_version(nvcc)
-            print(f"qwencuda: building with CUDA {version} from {cuda_home}, architectures {';'.join(archs)}")
-            objects = self.compile_cuda(nvcc, cuda_home, archs, debug)
+            built = ";".join([f"sm_{a}" for a in sass] + [f"compute_{ptx}"])
+            print(f"qwencuda: building with CUDA {version} from {cuda_home} for {built} ({why}; "
+                  f"set QWENCUDA_CUDA_ARCHS to choose)")
+            objects = self.compile_cuda(nvcc, cuda_home, sass, ptx, debug)
             ext.extra_objects = objects
             ext.define_macros += [("QC_HAVE_CUDA", "1"),
-                                  ("QC_CUDA_ARCHS", '"%s"' % ";".join(archs)),
+                                  ("QC_CUDA_ARCHS", '"%s"' % built),
                                   ("QC_CUDA_VERSION", '"%s"' % version)]
             ext.include_dirs.append(os.path.join(cuda_home, "include"))
             libdir = os.path.join(cuda_home, "lib64")
@@ -80,16 +117,15 @@ class BuildExt(build_ext):
             print("qwencuda: nvcc not found (or QWENCUDA_CUDA=0): building the CPU-only module")
         super().build_extension(ext)
 
-    def compile_cuda(self, nvcc, cuda_home, archs, debug):
+    def compile_cuda(self, nvcc, cuda_home, archs, ptx, debug):
         sources = sorted(glob.glob(os.path.join("kernels", "*.cu")))
         outdir = os.path.join(self.build_temp, "kernels")
         os.makedirs(outdir, exist_ok=True)
         gencode = []
         for a in archs:
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-        # PTX of the highest architecture too, so newer GPUs can JIT it.
-        top = archs[-1]
-        gencode += ["-gencode", f"arch=compute_{top},code=compute_{top}"]
+        # PTX: the driver JIT-compiles it for GPUs without machine code here
+        gencode += ["-gencode", f"arch=compute_{ptx},code=compute_{ptx}"]
         headers = glob.glob("kernels/*.cuh") + glob.glob("csrc/*.h")
         newest_header = max((os.path.getmtime(h) for h in headers), default=0)
 
