@@ -118,7 +118,8 @@ typedef struct {
     int n;
     int n_parts;
     fast_part part[QC_MATMUL_MULTI_MAX];
-    int64_t n_slices;
+    int64_t chunk_rows;       /* rows per item of the pool's loop */
+    int64_t chunks[QC_MATMUL_MULTI_MAX];   /* items of each part */
     /* matmul_swiglu: part 0 is the gate, part 1 the up projection, out is act */
     int swiglu;
 } fast_job;
@@ -233,21 +234,20 @@ static void swiglu_rows(const fast_job *j, int64_t begin, int64_t end, int worke
     }
 }
 
-/* Slices [begin, end): slice s is the s-th of n_slices equal shares of every part's rows. */
-static void fast_slices(void *ctx, int64_t begin, int64_t end, int worker) {
+/* Items [begin, end) of the pool's loop: item c is chunk_rows rows of one part (the parts'
+ * chunks one after the other), or of gate and up together for matmul_swiglu. Threads take items
+ * as they come free (qc_pool_run_chunks); a row's value never depends on which thread computes
+ * it, so the split is free to change from run to run. */
+static void fast_chunks(void *ctx, int64_t begin, int64_t end, int worker) {
     const fast_job *j = ctx;
-    for (int64_t sl = begin; sl < end; sl++) {
-        if (j->swiglu) {
-            const int64_t rows = j->part[0].w->rows;
-            const int64_t lo = rows * sl / j->n_slices, hi = rows * (sl + 1) / j->n_slices;
-            if (lo < hi) swiglu_rows(j, lo, hi, worker);
-            continue;
-        }
-        for (int i = 0; i < j->n_parts; i++) {
-            const int64_t rows = j->part[i].w->rows;
-            const int64_t lo = rows * sl / j->n_slices, hi = rows * (sl + 1) / j->n_slices;
-            if (lo < hi) part_rows(j, &j->part[i], lo, hi, worker);
-        }
+    for (int64_t c = begin; c < end; c++) {
+        int64_t k = c;
+        int i = 0;
+        while (k >= j->chunks[i]) k -= j->chunks[i++];
+        const int64_t rows = j->part[i].w->rows;
+        const int64_t lo = k * j->chunk_rows, hi = lo + j->chunk_rows < rows ? lo + j->chunk_rows : rows;
+        if (j->swiglu) swiglu_rows(j, lo, hi, worker);
+        else part_rows(j, &j->part[i], lo, hi, worker);
     }
 }
 
@@ -265,13 +265,14 @@ static int fast_run(qc_backend *be, fast_job *job) {
     const size_t extra = (size_t)job->n * (job->swiglu ? QC_SWIGLU_CHUNK : 1);
     if (qc_cpu_scratch(be, (size_t)job->cols + extra) < 0) return -1;
     if (need_q8 && (job->xq = quantize_x(be, job->x, job->n, job->cols)) == NULL) return -1;
-    if (rows * job->cols * job->n < QC_FAST_PARALLEL_MIN) {
-        job->n_slices = 1;
-        fast_slices(job, 0, 1, 0);
-    } else {
-        job->n_slices = qc_pool_threads(state(be)->pool);
-        qc_pool_run(state(be)->pool, job->n_slices, fast_slices, job);
-    }
+    /* decode: 32 rows per item (an attention projection of 896 rows is 28 items, so two threads
+     * balance); prefill: a tile of QC_ROW_TILE rows, whose weights stay in L2 (part_dots) */
+    job->chunk_rows = job->swiglu ? QC_SWIGLU_CHUNK : job->n == 1 ? 32 : QC_ROW_TILE;
+    int64_t items = 0;
+    for (int i = 0; i < (job->swiglu ? 1 : job->n_parts); i++)
+        items += job->chunks[i] = (job->part[i].w->rows + job->chunk_rows - 1) / job->chunk_rows;
+    if (rows * job->cols * job->n < QC_FAST_PARALLEL_MIN) fast_chunks(job, 0, items, 0);
+    else qc_pool_run_chunks(state(be)->pool, items, fast_chunks, job);
     return 0;
 }
 

@@ -35,6 +35,8 @@ struct qc_pool {
     qc_pool_fn fn;
     void *ctx;
     int64_t n;
+    int dynamic;                   /* qc_pool_run_chunks: items handed out one by one */
+    _Atomic int64_t next;          /* the next item to hand out */
 };
 
 typedef struct {
@@ -45,6 +47,13 @@ typedef struct {
 /* Thread `index` takes the index-th of n_threads contiguous, nearly equal slices: a fixed
  * split, so that which thread computes what never depends on timing. */
 static void run_slice(qc_pool *p, int index) {
+    if (p->dynamic) {
+        /* Whoever is free takes the next item: a thread slowed down by another process (the
+         * cores are shared) does less of the loop instead of holding up everyone. */
+        for (int64_t i; (i = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed)) < p->n;)
+            p->fn(p->ctx, i, i + 1, index);
+        return;
+    }
     int64_t begin = p->n * index / p->n_threads;
     int64_t end = p->n * (index + 1) / p->n_threads;
     if (begin < end) p->fn(p->ctx, begin, end, index);
@@ -123,15 +132,12 @@ void qc_pool_destroy(qc_pool *p) {
 
 int qc_pool_threads(const qc_pool *p) { return p->n_threads; }
 
-void qc_pool_run(qc_pool *p, int64_t n, qc_pool_fn fn, void *ctx) {
-    if (n <= 0) return;
-    if (p->n_threads == 1 || n == 1) {
-        fn(ctx, 0, n, 0);
-        return;
-    }
+static void pool_run(qc_pool *p, int64_t n, qc_pool_fn fn, void *ctx, int dynamic) {
     p->fn = fn;
     p->ctx = ctx;
     p->n = n;
+    p->dynamic = dynamic;
+    atomic_store_explicit(&p->next, 0, memory_order_relaxed);
     atomic_store(&p->pending, p->n_threads - 1);
     atomic_fetch_add(&p->generation, 1);
     if (atomic_load(&p->sleepers) > 0) {
@@ -146,4 +152,22 @@ void qc_pool_run(qc_pool *p, int64_t n, qc_pool_fn fn, void *ctx) {
      * worker was descheduled (other processes share the cores). */
     for (int spin = 0; atomic_load(&p->pending) > 0; spin++)
         if (spin % 1024 == 1023) sched_yield();
+}
+
+void qc_pool_run(qc_pool *p, int64_t n, qc_pool_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (p->n_threads == 1 || n == 1) {
+        fn(ctx, 0, n, 0);
+        return;
+    }
+    pool_run(p, n, fn, ctx, 0);
+}
+
+void qc_pool_run_chunks(qc_pool *p, int64_t n, qc_pool_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (p->n_threads == 1 || n == 1) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i, i + 1, 0);
+        return;
+    }
+    pool_run(p, n, fn, ctx, 1);
 }

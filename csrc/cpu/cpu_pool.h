@@ -17,4 +17,9 @@ int qc_pool_threads(const qc_pool *pool);
 /* Split [0, n) into contiguous chunks, one per thread, run fn on each and wait for all. */
 void qc_pool_run(qc_pool *pool, int64_t n, qc_pool_fn fn, void *ctx);
 
+/* Run fn(ctx, i, i + 1, worker) for every i in [0, n), each item taken by whichever thread is
+ * free (an atomic counter): for loops whose items do not depend on the thread that runs them
+ * (which thread computes an item may change from run to run; its result must not). */
+void qc_pool_run_chunks(qc_pool *pool, int64_t n, qc_pool_fn fn, void *ctx);
+
 #endif /* QC_CPU_POOL_H */

@@ -38,7 +38,7 @@ typedef struct {
 
 /* Tokens that one call of a q8 dot kernel multiplies with one weight row: the row's blocks
  * are unpacked once and used for each token (a prefill's dominant cost is unpacking). */
-#define QC_Q8_MAX_TOKENS 4
+#define QC_Q8_MAX_TOKENS 8
 
 /* out[t] = dot(row, token t) for t < n_tok (1..QC_Q8_MAX_TOKENS), where token t's blocks are
  * x[t * x_stride .. t * x_stride + n_blocks), n_blocks = row elements / 32. */

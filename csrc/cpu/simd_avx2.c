@@ -65,6 +65,12 @@ QC_AVX2_INLINE __m256i bits32(const uint8_t *p) {
 
 QC_AVX2_INLINE __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* dw * dx in every lane: dw is broadcast once per weight block and shared by the tokens, dx
+ * broadcast straight from memory (a load, no shuffle), one vmulps per (block, token) */
+QC_AVX2_INLINE __m256 scale(__m256 dw, const qc_q8_block *xb) {
+    return _mm256_mul_ps(dw, _mm256_broadcast_ss(&xb->d));
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* activations to 8 bits                                                                     */
 
@@ -114,7 +120,11 @@ QC_AVX2 static void quantize_avx2(const float *x, int64_t n, qc_q8_block *out) {
         case 1: kernel##_rows(row, x, xs, 1, nb, out); break;                                 \
         case 2: kernel##_rows(row, x, xs, 2, nb, out); break;                                 \
         case 3: kernel##_rows(row, x, xs, 3, nb, out); break;                                 \
-        default: kernel##_rows(row, x, xs, 4, nb, out); break;                                \
+        case 4: kernel##_rows(row, x, xs, 4, nb, out); break;                                 \
+        case 5: kernel##_rows(row, x, xs, 5, nb, out); break;                                 \
+        case 6: kernel##_rows(row, x, xs, 6, nb, out); break;                                 \
+        case 7: kernel##_rows(row, x, xs, 7, nb, out); break;                                 \
+        default: kernel##_rows(row, x, xs, 8, nb, out); break;                                \
         }                                                                                     \
     }
 
@@ -125,13 +135,13 @@ QC_AVX2_INLINE void q8_0_rows(const void *row, const qc_q8_block *x, int64_t xs,
     __m256 acc[QC_Q8_MAX_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const float dw = half(w[b].d);
+        const __m256 dw = _mm256_set1_ps(half(w[b].d));
         const __m256i q = load32(w[b].qs);
         const __m256i uq = _mm256_sign_epi8(q, q);
         for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
             const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xb->d), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
         }
     }
     for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
@@ -145,13 +155,13 @@ QC_AVX2_INLINE void q4_0_rows(const void *row, const qc_q8_block *x, int64_t xs,
     __m256 acc[QC_Q8_MAX_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const float dw = half(w[b].d);
+        const __m256 dw = _mm256_set1_ps(half(w[b].d));
         const __m256i q = _mm256_sub_epi8(nibbles32(w[b].qs), _mm256_set1_epi8(8));
         const __m256i uq = _mm256_sign_epi8(q, q);
         for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
             const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xb->d), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
         }
     }
     for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
@@ -166,14 +176,14 @@ QC_AVX2_INLINE void q5_0_rows(const void *row, const qc_q8_block *x, int64_t xs,
     __m256 acc[QC_Q8_MAX_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const float dw = half(w[b].d);
+        const __m256 dw = _mm256_set1_ps(half(w[b].d));
         const __m256i hi = _mm256_andnot_si256(bits32(w[b].qh), _mm256_set1_epi8((char)0xf0));
         const __m256i q = _mm256_or_si256(nibbles32(w[b].qs), hi);
         const __m256i uq = _mm256_sign_epi8(q, q);
         for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
             const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xb->d), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
         }
     }
     for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
@@ -214,14 +224,14 @@ QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
             const __m256i raw = load32(wb->qs + 32 * j);
             const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0f));
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
-            const float dlo = d * (float)sc[2 * j], dhi = d * (float)sc[2 * j + 1];
+            const __m256 dlo = _mm256_set1_ps(d * (float)sc[2 * j]), dhi = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
             const float mlo = dmin * (float)m[2 * j], mhi = dmin * (float)m[2 * j + 1];
             for (int t = 0; t < nt; t++) {
                 const qc_q8_block *xb = x + t * xs + sb * 8 + 2 * j;
                 const __m256i plo = dot_us(lo, load32(xb[0].qs));
                 const __m256i phi = dot_us(hi, load32(xb[1].qs));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), _mm256_set1_ps(dlo * xb[0].d), acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), _mm256_set1_ps(dhi * xb[1].d), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), scale(dlo, &xb[0]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), scale(dhi, &xb[1]), acc[t]);
                 mins[t] = fmaf(mlo, xb[0].s, mins[t]);
                 mins[t] = fmaf(mhi, xb[1].s, mins[t]);
             }
@@ -245,7 +255,7 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const qc_block_q6_K *wb = w + sb;
-        const float d = half(wb->d);
+        const __m256 d = _mm256_set1_ps(half(wb->d));
         for (int h = 0; h < 2; h++) {
             const __m256i ql0 = load32(wb->ql + 64 * h), ql1 = load32(wb->ql + 64 * h + 32);
             const __m256i qh = load32(wb->qh + 32 * h);
@@ -267,7 +277,7 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
                     const qc_q8_block *xb = x + t * xs + sb * 8 + 4 * h + k;
                     const __m256i p16 = _mm256_maddubs_epi16(uq, _mm256_sign_epi8(load32(xb->qs), q));
                     const __m256i p = _mm256_madd_epi16(p16, scales);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xb->d), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(d, xb), acc[t]);
                 }
             }
         }
