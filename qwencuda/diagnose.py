@@ -183,25 +183,29 @@ def variant(model, ids, fault=None):
     return tr
 
 
-def _model(model):
+def _model(model, progress=None):
     from . import reference
 
     if isinstance(model, reference.RefModel):
         return model
-    return reference._model(getattr(model, "path", model))
+    return reference._model(getattr(model, "path", model), progress=progress)
 
 
-def diagnose(dumps, model, ids=None, name_map=None, rtol=1e-3, atol=1e-4, faults=None) -> Diagnosis:
+def diagnose(dumps, model, ids=None, name_map=None, rtol=1e-3, atol=1e-4, faults=None,
+             progress=None) -> Diagnosis:
     """Name the known fault that explains dumps (a Trace, dict, .npz, folder: as compare takes).
 
     model: the GGUF path, a reference.RefModel or anything with .path (a qwencuda.Model).
     ids: the token ids of the dumped pass, run from position 0 (default: dumps.ids of a Trace).
     name_map: as for compare ("hf", "llama.cpp", a dict). faults: the names to try (default all
     of reference.FAULTS). rtol/atol decide where the user leaves the correct run.
+    progress: bars on stderr for loading the reference and for its runs of each fault (None:
+    only when stderr is a terminal; False: never; see qwencuda.progress).
     """
     from . import reference
+    from .progress import bar
 
-    ref = _model(model)
+    ref = _model(model, progress)
     if ids is None:
         ids = getattr(dumps, "ids", None)
         if ids is None:
@@ -231,7 +235,11 @@ def diagnose(dumps, model, ids=None, name_map=None, rtol=1e-3, atol=1e-4, faults
 
     order = report.names()
     after = [n for n in order[order.index(div) + 1:] if n in user][:WINDOW]
-    variants = [(None, correct)] + [(f, variant(ref, ids, f)) for f in faults]
+    variants = [(None, correct)]
+    with bar(len(faults), "diagnose: reference runs", progress, unit="fault") as b:
+        for f in faults:
+            variants.append((f, variant(ref, ids, f)))
+            b.update(1)
     scored = []
     for fault, tr in variants:
         have = dict(tr.tensors)

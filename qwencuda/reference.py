@@ -133,10 +133,13 @@ def _dequantize(t) -> np.ndarray:
     return x.astype(np.float32, copy=False).reshape(shape)
 
 
-def load(source) -> RefModel:
+def load(source, progress=None) -> RefModel:
     """Read a Qwen2 GGUF file (a path, a qwencuda.GGUFFile, or anything with .path) into float32
-    NumPy weights with the gguf package's GGUFReader and dequantize."""
+    NumPy weights with the gguf package's GGUFReader and dequantize. progress: a bar over the
+    tensors on stderr (None: only when stderr is a terminal; see qwencuda.progress)."""
     import gguf
+
+    from .progress import bar
 
     if isinstance(source, RefModel):
         return source
@@ -154,9 +157,11 @@ def load(source) -> RefModel:
 
     tensors = {t.name: t for t in r.tensors}
     weights, types = {}, {}
-    for name, t in tensors.items():
-        weights[name] = _dequantize(t)
-        types[name] = t.tensor_type.name
+    with bar(len(tensors), "reference.load: dequantize", progress, unit="tensor") as b:
+        for name, t in tensors.items():
+            weights[name] = _dequantize(t)
+            types[name] = t.tensor_type.name
+            b.update(1)
     n_vocab, dim = weights["token_embd.weight"].shape
     n_head, n_head_kv = int(meta("attention.head_count")), int(meta("attention.head_count_kv", 0) or 0)
     n_head_kv = n_head_kv or n_head
@@ -189,7 +194,7 @@ def load(source) -> RefModel:
 _CACHE: dict = {}
 
 
-def _model(model) -> RefModel:
+def _model(model, progress=None) -> RefModel:
     """A RefModel from a RefModel, path or GGUFFile; paths are cached (one model at a time)."""
     if isinstance(model, RefModel):
         return model
@@ -198,7 +203,7 @@ def _model(model) -> RefModel:
     key = (path, st.st_size, st.st_mtime_ns)
     if key not in _CACHE:
         _CACHE.clear()
-        _CACHE[key] = load(path)
+        _CACHE[key] = load(path, progress=progress)
     return _CACHE[key]
 
 
