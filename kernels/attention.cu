@@ -197,10 +197,10 @@ __device__ void qc_att_merge_splits(const float *p, int splits, int head_dim, fl
     }
 }
 
-template <int G>
+template <int G, typename KV>
 __global__ void __launch_bounds__(QC_ATT_SPLIT_THREADS)
-qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__ k_cache,
-                          const float *__restrict__ v_cache, const int32_t *__restrict__ pos,
+qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
+                          const KV *__restrict__ v_cache, const int32_t *__restrict__ pos,
                           int n_head, int n_head_kv, int head_dim, float scale,
                           float *__restrict__ part, unsigned int *__restrict__ done,
                           float *__restrict__ out) {
@@ -216,7 +216,7 @@ qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
     qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
     float m = -INFINITY, l = 0.0f;
-    qc_att_keys<G, float>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
+    qc_att_keys<G, KV>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
                    kv_dim, head_dim, scale, split * groups + group, splits * groups, pos[t], gmask,
                    lane, nullptr, 0, m, l, acc);
 
@@ -243,6 +243,23 @@ qc_attention_split_kernel(const float *__restrict__ q, const float *__restrict__
     __threadfence();
     qc_att_merge_splits(part + pair * splits * (head_dim + 2), splits, head_dim,
                         out + pair * head_dim, weight);
+}
+
+/* The split-K kernel of a short eval, for a cache of KV. */
+template <typename KV>
+static void launch_split(int G, dim3 grid, size_t smem, cudaStream_t st, const float *q, const KV *k_cache,
+                         const KV *v_cache, const int32_t *pos, int n_head, int n_head_kv, int head_dim,
+                         float scale, float *part, unsigned int *done, float *out) {
+    switch (G) {
+#define QC_SPLIT_CASE_(g)                                                                         \
+    case g:                                                                                       \
+        qc_attention_split_kernel<g, KV><<<grid, QC_ATT_SPLIT_THREADS, smem, st>>>(                \
+            q, k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, part, done, out);       \
+        break;
+        QC_SPLIT_CASE_(1) QC_SPLIT_CASE_(2) QC_SPLIT_CASE_(4) QC_SPLIT_CASE_(8) QC_SPLIT_CASE_(16)
+        QC_SPLIT_CASE_(32)
+#undef QC_SPLIT_CASE_
+    }
 }
 
 /* The exact kernel, one block per (head, token), for a cache of KV. */
@@ -275,7 +292,8 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
     if (cache.type != QC_KV_F32 && cache.type != QC_KV_F16)
         return qc_cuda_value_error(be, "attention: unknown KV cache type %d", cache.type);
     /* an F16 cache without captured scores: the tensor-core kernels (flash_attention.cu) */
-    if (!scores && !probs && cache.type == QC_KV_F16 && qc_cuda_flash_head_dim(head_dim))
+    if (!scores && !probs && cache.type == QC_KV_F16 && qc_cuda_flash_head_dim(head_dim) &&
+        (n > QC_GEMV_MAX_TOKENS || cu->flash_decode))
         return qc_cuda_flash_attention(be, q, cache, pos, n, n_head, n_head_kv, head_dim, out);
     if (n > 65535) return qc_cuda_value_error(be, "attention: %d queries in one call (at most 65535)", n);
     /* G: the smallest power of two with G * QC_ATT_MAXD >= head_dim, at least head_dim / 4, so a
@@ -286,22 +304,17 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
     const size_t part_floats = (size_t)n * (size_t)n_head * QC_ATT_SPLITS * (size_t)(head_dim + 2);
     if (!scores && !probs && n <= QC_GEMV_MAX_TOKENS && part_floats <= QC_ATT_PART_FLOATS &&
         (int64_t)n * n_head <= QC_ATT_PAIRS) {
-        /* an F32 cache's decode step: split-K over the keys */
-        const float *k_cache = (const float *)cache.k, *v_cache = (const float *)cache.v;
+        /* a decode step over an F32 cache (or an F16 one of a head_dim flash does not take):
+         * split-K over the keys */
         const int groups = QC_ATT_SPLIT_THREADS / G;
         const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
         const dim3 grid((unsigned)n_head, QC_ATT_SPLITS, (unsigned)n);
-        switch (G) {
-#define QC_SPLIT_CASE_(g)                                                                         \
-        case g:                                                                                   \
-            qc_attention_split_kernel<g><<<grid, QC_ATT_SPLIT_THREADS, smem, cu->stream>>>(        \
-                q, k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, cu->attn_part,      \
-                cu->attn_done, out);                                                              \
-            break;
-            QC_SPLIT_CASE_(1) QC_SPLIT_CASE_(2) QC_SPLIT_CASE_(4) QC_SPLIT_CASE_(8) QC_SPLIT_CASE_(16)
-            QC_SPLIT_CASE_(32)
-#undef QC_SPLIT_CASE_
-        }
+        if (cache.type == QC_KV_F16)
+            launch_split<__half>(G, grid, smem, cu->stream, q, (const __half *)cache.k, (const __half *)cache.v,
+                                 pos, n_head, n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out);
+        else
+            launch_split<float>(G, grid, smem, cu->stream, q, (const float *)cache.k, (const float *)cache.v,
+                                pos, n_head, n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out);
         return QC_LAUNCHED(be, "qc_attention_split_kernel");
     }
     const int threads = n <= QC_GEMV_MAX_TOKENS ? QC_ATT_THREADS_SHORT : QC_ATT_THREADS_LONG;

@@ -359,6 +359,10 @@ extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *er
         qc_fail(err, QC_ERR_CUDA, "cuda:%d: cuBLAS setup failed: %s", device, cublasGetStatusString(bs));
         goto fail;
     }
+    {
+        const char *decode = getenv("QWENCUDA_DECODE_ATTENTION");
+        cu->flash_decode = !(decode && strcmp(decode, "split") == 0);
+    }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);
         goto fail;

@@ -18,9 +18,10 @@
  * read past the cache).
  *
  * Decode and short evals (n <= QC_GEMV_MAX_TOKENS) have few rows: the key tiles are dealt to
- * `splits` blocks (tile z, z + splits, ...), each writes its rows' partial (m, l, O) to
+ * SPLITS blocks (tile z, z + SPLITS, ...), each writes its rows' partial (m, l, O) to
  * cu->attn_part, and the last block of a row tile to finish (cu->attn_done) merges them, as
- * attention.cu's split-K kernel does. The grid depends on the shapes only, never on the
+ * attention.cu's split-K kernel does. SPLITS is a template constant so that the merge's loads
+ * of every split's partial are issued together (unrolled), not one L2 round trip after another. The grid depends on the shapes only, never on the
  * positions (read from device memory), so the decode step replays as a CUDA graph.
  */
 #include "qc_cuda.cuh"
@@ -28,7 +29,8 @@
 #define QC_FA_BC 64                /* keys per tile */
 #define QC_FA_PREFILL_WARPS 4      /* 64 rows per block */
 #define QC_FA_DECODE_WARPS 1       /* 16 rows: one token's query heads of a KV head */
-#define QC_FA_SPLITS 64            /* key splits of a decode step (fewer if attn_part is short) */
+#define QC_FA_SPLITS 32            /* key splits of a decode step (a compile-time count: the merge's
+                                      loads unroll) */
 
 /* ---- tensor-core and copy primitives (sm_80+) ------------------------------------------- */
 
@@ -77,7 +79,7 @@ struct qc_fa_smem {
     static constexpr size_t bytes = (q_halves + 4 * tile_halves) * sizeof(__half);
 };
 
-template <int D, int WARPS>
+template <int D, int WARPS, int SPLITS>
 __global__ void __launch_bounds__(32 * WARPS)
 qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict__ k_cache,
                           const __half *__restrict__ v_cache, const int32_t *__restrict__ pos,
@@ -97,7 +99,7 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     const int G = n_head / n_head_kv, kv_dim = n_head_kv * D;
     const int total_rows = n * G;
     const int n_rt = gridDim.x, rt = n_rt - 1 - blockIdx.x;   /* the longest row tiles first */
-    const int kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const int kvh = blockIdx.y, split = blockIdx.z, splits = SPLITS;
     const int row0 = rt * R;
 
     /* the keys this block needs: 0 .. pos of its last token (positions grow with the token) */
@@ -246,7 +248,7 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
         l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
     }
 
-    if (splits == 1) {
+    if constexpr (SPLITS == 1) {
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int r = row0 + (half ? rb : ra);
@@ -259,111 +261,122 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
                 *reinterpret_cast<float2 *>(orow + dt * 8 + 2 * c) =
                     make_float2(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
         }
-        return;
-    }
-
-    /* split: publish (m, l, O) of both rows, count the split; the last block merges */
-    const int64_t pair = (int64_t)kvh * n_rt + rt;
-    float *mine = part + (pair * splits + split) * (int64_t)R * (D + 2);
+    } else {
+        /* split: publish (m, l, O) of both rows, count the split; the last block merges */
+        const int64_t pair = (int64_t)kvh * n_rt + rt;
+        float *mine = part + (pair * splits + split) * (int64_t)R * (D + 2);
 #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        float *p = mine + (int64_t)(half ? rb : ra) * (D + 2);
-        if (c == 0) {
-            p[0] = half ? m_b : m_a;
-            p[1] = half ? l_b : l_a;
-        }
+        for (int half = 0; half < 2; half++) {
+            float *p = mine + (int64_t)(half ? rb : ra) * (D + 2);
+            if (c == 0) {
+                p[0] = half ? m_b : m_a;
+                p[1] = half ? l_b : l_a;
+            }
 #pragma unroll
-        for (int dt = 0; dt < DT; dt++) {
-            p[2 + dt * 8 + 2 * c] = o[dt][2 * half];
-            p[2 + dt * 8 + 2 * c + 1] = o[dt][2 * half + 1];
+            for (int dt = 0; dt < DT; dt++) {
+                p[2 + dt * 8 + 2 * c] = o[dt][2 * half];
+                p[2 + dt * 8 + 2 * c + 1] = o[dt][2 * half + 1];
+            }
         }
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        last_block = atomicAdd(&done[pair], 1u) == (unsigned)splits - 1;
-        if (last_block) done[pair] = 0;   /* ready for the next launch */
-    }
-    __syncthreads();
-    if (!last_block) return;
-    __threadfence();
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            last_block = atomicAdd(&done[pair], 1u) == (unsigned)splits - 1;
+            if (last_block) done[pair] = 0;   /* ready for the next launch */
+        }
+        __syncthreads();
+        if (!last_block) return;
+        __threadfence();
 
-    /* weights 2^(m_s - M) / L per row and split, in the (now idle) K buffers */
-    const float *all = part + pair * splits * (int64_t)R * (D + 2);
-    float *w = reinterpret_cast<float *>(Ks);   /* [R][splits]: R * splits <= 16 * 64 floats */
-    for (int rr = tid; rr < R; rr += 32 * WARPS) {
-        float M = -INFINITY;
-        for (int s2 = 0; s2 < splits; s2++) M = fmaxf(M, __ldcg(all + ((int64_t)s2 * R + rr) * (D + 2)));
-        float Lsum = 0.0f;
-        for (int s2 = 0; s2 < splits; s2++) {
-            const float ms = __ldcg(all + ((int64_t)s2 * R + rr) * (D + 2));
-            const float e = ms == -INFINITY ? 0.0f : exp2f(ms - M);
-            w[rr * splits + s2] = e;
-            Lsum += e * __ldcg(all + ((int64_t)s2 * R + rr) * (D + 2) + 1);
+        /* weights 2^(m_s - M) / L per row and split, in the (now idle) K buffers: LPR lanes per row,
+         * each over SPL splits, every load of a lane issued at once */
+        constexpr int LPR = 32 * WARPS / R, SPL = SPLITS / LPR;
+        static_assert(LPR >= 1 && (LPR & (LPR - 1)) == 0 && SPLITS % LPR == 0, "lanes per merged row");
+        static_assert(R * SPLITS <= QC_FA_BC * LD, "the merge weights fit in the K buffers");
+        const float *all = part + pair * SPLITS * (int64_t)R * (D + 2);
+        float *w = reinterpret_cast<float *>(Ks);   /* [R][SPLITS] */
+        {
+            const int rr = tid / LPR, s0 = (tid % LPR) * SPL;
+            float ms[SPL], ls[SPL];
+#pragma unroll
+            for (int i = 0; i < SPL; i++) {
+                ms[i] = __ldcg(all + ((int64_t)(s0 + i) * R + rr) * (D + 2));
+                ls[i] = __ldcg(all + ((int64_t)(s0 + i) * R + rr) * (D + 2) + 1);
+            }
+            float M = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < SPL; i++) M = fmaxf(M, ms[i]);
+#pragma unroll
+            for (int off = 1; off < LPR; off <<= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+            float Lsum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < SPL; i++) {
+                ms[i] = ms[i] == -INFINITY ? 0.0f : exp2f(ms[i] - M);
+                Lsum = fmaf(ms[i], ls[i], Lsum);
+            }
+#pragma unroll
+            for (int off = 1; off < LPR; off <<= 1) Lsum += __shfl_xor_sync(0xffffffffu, Lsum, off);
+            const float inv = Lsum > 0.0f ? 1.0f / Lsum : 0.0f;
+#pragma unroll
+            for (int i = 0; i < SPL; i++) w[rr * SPLITS + s0 + i] = ms[i] * inv;
         }
-        const float inv = Lsum > 0.0f ? 1.0f / Lsum : 0.0f;
-        for (int s2 = 0; s2 < splits; s2++) w[rr * splits + s2] *= inv;
-    }
-    __syncthreads();
-    for (int i = tid; i < R * D; i += 32 * WARPS) {
-        const int rr = i / D, d = i % D, r = row0 + rr;
-        if (r >= total_rows) continue;
-        float acc = 0.0f;
-        for (int s2 = 0; s2 < splits; s2++)
-            acc = fmaf(__ldcg(all + ((int64_t)s2 * R + rr) * (D + 2) + 2 + d), w[rr * splits + s2], acc);
-        out[((int64_t)(r / G) * n_head + kvh * G + r % G) * D + d] = acc;
+        __syncthreads();
+        const int valid = min(R, total_rows - row0);
+#pragma unroll 2
+        for (int i = tid; i < valid * D; i += 32 * WARPS) {
+            const int rr = i / D, d = i % D, r = row0 + rr;
+            float acc = 0.0f;
+#pragma unroll
+            for (int s2 = 0; s2 < SPLITS; s2++)
+                acc = fmaf(__ldcg(all + ((int64_t)s2 * R + rr) * (D + 2) + 2 + d), w[rr * SPLITS + s2], acc);
+            out[((int64_t)(r / G) * n_head + kvh * G + r % G) * D + d] = acc;
+        }
     }
 }
 
 /* ---- launch ----------------------------------------------------------------------------- */
 
-template <int D, int WARPS>
+template <int D, int WARPS, int SPLITS>
 static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
-                        int n_head, int n_head_kv, float *out, int splits) {
+                        int n_head, int n_head_kv, float *out) {
     qc_cuda *cu = qc_cuda_of(be);
     using L = qc_fa_smem<D, WARPS>;
     const int64_t rows = (int64_t)n * (n_head / n_head_kv);
     const int64_t n_rt = (rows + L::R - 1) / L::R;
     if (n_rt > INT32_MAX || n_head_kv > 65535)
         return qc_cuda_value_error(be, "attention: %lld rows per KV head is too many", (long long)rows);
-    auto kernel = qc_flash_attention_kernel<D, WARPS>;
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
-    const dim3 grid((unsigned)n_rt, (unsigned)n_head_kv, (unsigned)splits);
-    kernel<<<grid, 32 * WARPS, L::bytes, cu->stream>>>(q, (const __half *)cache.k, (const __half *)cache.v,
-                                                       pos, n, n_head, n_head_kv, scale_log2, out,
-                                                       cu->attn_part, cu->attn_done);
+    const dim3 grid((unsigned)n_rt, (unsigned)n_head_kv, SPLITS);
+    qc_flash_attention_kernel<D, WARPS, SPLITS><<<grid, 32 * WARPS, L::bytes, cu->stream>>>(
+        q, (const __half *)cache.k, (const __half *)cache.v, pos, n, n_head, n_head_kv, scale_log2, out,
+        cu->attn_part, cu->attn_done);
     return QC_LAUNCHED(be, "qc_flash_attention_kernel");
 }
 
 /* More than 48 KiB of dynamic shared memory must be allowed per kernel, once, outside any graph
  * capture: at backend creation. */
-template <int D, int WARPS>
+template <int D, int WARPS, int SPLITS>
 static int allow_smem(qc_backend *be) {
-    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS>,
+    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS, SPLITS>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)qc_fa_smem<D, WARPS>::bytes));
 }
 
 int qc_cuda_flash_attention_init(qc_backend *be) {
-    if (allow_smem<64, QC_FA_PREFILL_WARPS>(be) < 0 || allow_smem<128, QC_FA_PREFILL_WARPS>(be) < 0 ||
-        allow_smem<64, QC_FA_DECODE_WARPS>(be) < 0 || allow_smem<128, QC_FA_DECODE_WARPS>(be) < 0)
+    if (allow_smem<64, QC_FA_PREFILL_WARPS, 1>(be) < 0 || allow_smem<128, QC_FA_PREFILL_WARPS, 1>(be) < 0 ||
+        allow_smem<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS>(be) < 0 ||
+        allow_smem<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS>(be) < 0)
         return -1;
     return 0;
 }
 
-/* Splits for a short eval: as many as attn_part and attn_done hold (at most QC_FA_SPLITS);
- * 0 when even two do not fit (then one block walks every key). Shapes only: graph-safe. */
-static int decode_splits(int n, int n_head, int n_head_kv, int head_dim) {
+/* Whether a short eval's partials fit cu->attn_part and its row tiles cu->attn_done (shapes
+ * only: graph-safe); else one block walks every key of its rows. */
+static int decode_split_fits(int n, int n_head, int n_head_kv, int head_dim) {
     const int64_t R = 16 * QC_FA_DECODE_WARPS;
     const int64_t n_rt = ((int64_t)n * (n_head / n_head_kv) + R - 1) / R;
-    const int64_t per_split = (int64_t)n_head_kv * n_rt * R * (head_dim + 2);
-    if (n_head_kv * n_rt > QC_ATT_PAIRS) return 0;
-    int64_t splits = QC_ATT_PART_FLOATS / per_split;
-    if (splits > QC_FA_SPLITS) splits = QC_FA_SPLITS;
-    /* the merge keeps R * splits weights in the K buffers (2 * QC_FA_BC rows of D + 8 halves) */
-    const int64_t room = (int64_t)QC_FA_BC * (head_dim + 8) / R;
-    if (splits > room) splits = room;
-    return splits >= 2 ? (int)splits : 0;
+    return (int64_t)n_head_kv * n_rt <= QC_ATT_PAIRS &&
+           (int64_t)n_head_kv * n_rt * QC_FA_SPLITS * R * (head_dim + 2) <= QC_ATT_PART_FLOATS;
 }
 
 int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
@@ -375,10 +388,9 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
         return qc_cuda_value_error(be, "attention: n_head %d is not a multiple of n_head_kv %d", n_head, n_head_kv);
     if (head_dim != 64 && head_dim != 128)
         return qc_cuda_value_error(be, "flash attention: head_dim %d is not 64 or 128", head_dim);
-    const int splits = n <= QC_GEMV_MAX_TOKENS ? decode_splits(n, n_head, n_head_kv, head_dim) : 0;
-    if (splits >= 2)
-        return head_dim == 64 ? launch_flash<64, QC_FA_DECODE_WARPS>(be, q, cache, pos, n, n_head, n_head_kv, out, splits)
-                              : launch_flash<128, QC_FA_DECODE_WARPS>(be, q, cache, pos, n, n_head, n_head_kv, out, splits);
-    return head_dim == 64 ? launch_flash<64, QC_FA_PREFILL_WARPS>(be, q, cache, pos, n, n_head, n_head_kv, out, 1)
-                          : launch_flash<128, QC_FA_PREFILL_WARPS>(be, q, cache, pos, n, n_head, n_head_kv, out, 1);
+    if (n <= QC_GEMV_MAX_TOKENS && decode_split_fits(n, n_head, n_head_kv, head_dim))
+        return head_dim == 64 ? launch_flash<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                              : launch_flash<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS>(be, q, cache, pos, n, n_head, n_head_kv, out);
+    return head_dim == 64 ? launch_flash<64, QC_FA_PREFILL_WARPS, 1>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                          : launch_flash<128, QC_FA_PREFILL_WARPS, 1>(be, q, cache, pos, n, n_head, n_head_kv, out);
 }

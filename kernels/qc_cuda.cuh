@@ -39,6 +39,9 @@ typedef struct qc_cuda {
     /* one counter per (token, head) of a split-K attention launch: the splits that finished;
      * zero between launches (the last split resets it). Zeroed at creation. */
     unsigned int *attn_done;
+    /* decode steps over an F16 cache run the flash kernel split over the keys (1), or the fp32
+     * split-K kernel reading f16 (0: QWENCUDA_DECODE_ATTENTION=split at creation, to compare) */
+    int flash_decode;
 } qc_cuda;
 
 /* Floats of attn_part: 32 splits x 14 heads x (64 + 2) for a 0.5B decode step is 30k; evals that

@@ -64,16 +64,16 @@ def test_chunked_prefill_equals_one_pass(paths, device):
     """A prompt run in chunks of 7 tokens gives what one pass gives: the same logits at every
     position, the same cache (the next step's logits), the same captures (rows filled chunk by
     chunk, attention rows padded past each chunk's keys)."""
-    ids = ids_for(40)
+    ids = ids_for(39)   # chunks of 13: every chunk takes CUDA's prefill GEMMs, as one pass does
     with qc.Model(paths("tiny-gqa7"), device=device) as m:
         got = {}
-        for chunk in (None, 7):
+        for chunk in (None, 13):
             s = m.session(max_context=64, kv_type="f32", prefill_chunk=chunk)
             tr = s.prefill(ids, logits="all", capture=["blk.1.resid_out", "blk.0.attn_probs", "blk.1.k_rope",
                                                        "output_norm", "logits"])
             nxt = s.step(int(tr.argmax[-1]))
             got[chunk] = (tr, nxt)
-        (a, a_next), (b, b_next) = got[None], got[7]
+        (a, a_next), (b, b_next) = got[None], got[13]
         # the CPU computes each token's row by itself: chunking cannot change a bit; CUDA's
         # prefill GEMMs may tile rows differently at other token counts (fp32 accumulation)
         tol = 0 if device == "cpu" else 1e-4
@@ -82,7 +82,7 @@ def test_chunked_prefill_equals_one_pass(paths, device):
         for name in a.keys():
             assert b[name].shape == a[name].shape, name
             np.testing.assert_allclose(b[name], a[name], rtol=tol, atol=tol, err_msg=name)
-        assert b["blk.0.attn_probs"].shape == (14, 40, 40)
+        assert b["blk.0.attn_probs"].shape == (14, 39, 39)
 
 
 def test_prefill_chunk_setting(paths):
@@ -114,7 +114,8 @@ def test_kv_type_defaults_and_traces(paths, device):
 def test_f16_cache_holds_rounded_keys_and_values(paths, device):
     """With an F16 cache, the captured attention probabilities are exactly the softmax of q against
     the f16-rounded rotated keys: recomputed in NumPy from the captured q_rope and k_rope (float32
-    accumulation differences only: 1e-5)."""
+    accumulation differences only: scores of up to ~30 summed over head_dim products in fp32 move
+    a probability by up to ~3e-5; atol 1e-4)."""
     ids = ids_for(12)
     with qc.Model(paths("tiny-gqa7"), device=device) as m:
         tr = m.forward(ids, kv_type="f16", capture=["blk.1.q_rope", "blk.1.k_rope", "blk.1.attn_probs"])
@@ -125,22 +126,31 @@ def test_f16_cache_holds_rounded_keys_and_values(paths, device):
         s = q[:, h].astype(np.float64) @ k[:, h // group].T / np.sqrt(hd)
         s[np.triu_indices(n, 1)] = -np.inf
         p = np.exp(s - s.max(1, keepdims=True))
-        np.testing.assert_allclose(tr["blk.1.attn_probs"][h], p / p.sum(1, keepdims=True), atol=1e-5)
+        np.testing.assert_allclose(tr["blk.1.attn_probs"][h], p / p.sum(1, keepdims=True), atol=1e-4)
 
 
-def test_f16_cache_logits_close_to_f32(paths, device):
-    """The F16 cache (and on CUDA the flash kernels) moves the logits by f16 rounding of k, v (and
-    q, p): measured below 1e-2 relative on these models; the argmax agrees where the top-two gap is
-    above that."""
-    ids = ids_for(100)
-    with qc.Model(paths("gqa7-hd64"), device=device) as m:
-        a = m.forward(ids, kv_type="f32")
-        b = m.forward(ids, kv_type="f16")
-    err = np.abs(b.logits - a.logits).max() / np.abs(a.logits).max()
-    assert err < 1e-2, err
-    top2 = np.sort(a.logits, axis=1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 0.05 * np.abs(a.logits).max()
-    assert (a.argmax[clear] == b.argmax[clear]).all()
+@pytest.mark.parametrize("config", ["tiny-gqa7", "gqa7-hd64", "hd128"])
+def test_f16_cache_logits_close_to_f32(paths, device, config):
+    """The F16 cache (and on CUDA the flash kernels, or for head_dim 16 the split-K and exact
+    kernels reading f16) moves the logits by the f16 rounding of k and v (and q, p): measured on
+    an H100 and here at 1.6e-3 .. 1.3e-2 of the logits' scale on these random-weight models (their
+    keys reach tens); asserted below 3e-2, and the argmax equal where the top-two gap is clear.
+    Prefill (700 tokens in chunks of 256, so later chunks read earlier ones from the cache) and
+    five decode steps. The CPU runs its float32 reference kernels (device "cpu:float")."""
+    ids = ids_for(700)
+    out = {}
+    with qc.Model(paths(config), device="cpu:float" if device == "cpu" else device) as m:
+        for kv in ("f32", "f16"):
+            s = m.session(max_context=720, kv_type=kv, prefill_chunk=256)
+            tr = s.prefill(ids, logits="all")
+            steps = np.array([s.step(t).logits[0] for t in ids[:5]])
+            out[kv] = (tr.logits, steps)
+    for a, b in zip(out["f32"], out["f16"]):
+        err = np.abs(b - a).max() / np.abs(a).max()
+        assert err < 3e-2, (config, err)
+        top2 = np.sort(a, axis=1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 0.05 * np.abs(a).max()
+        assert (np.argmax(a, 1)[clear] == np.argmax(b, 1)[clear]).all()
 
 
 # ---- attention rows -----------------------------------------------------------------------
@@ -277,17 +287,19 @@ def test_kv_store_rounds_to_f16_like_numpy(device):
 def test_flash_prefill_and_decode_match_the_exact_path(paths, config):
     """CUDA with an F16 cache runs flash attention in prefill (chunks of 256 here, so later chunks
     attend to earlier ones) and the split decode kernel in replayed steps; the same model with an
-    F16 cache on the CPU runs the exact path over the same rounded cache. Logits within 1e-2 of
-    the output's scale (q and p rounded to f16 on the tensor cores), argmax equal where clear."""
+    F16 cache on the CPU's float32 reference kernels runs the exact path over the same rounded
+    cache. Measured on an H100: 1.8e-3 .. 4.8e-3 of the logits' scale in prefill (the prefill
+    GEMMs' f16 activations included: 1.3e-3 with F32 caches on both), 1.2e-3 in decode; asserted
+    below 1e-2, argmax equal where clear."""
     ids = ids_for(700)
     out = {}
-    for device in ("cpu", "cuda"):
+    for device in ("cpu:float", "cuda"):
         with qc.Model(paths(config), device=device) as m:
             s = m.session(max_context=720, kv_type="f16", prefill_chunk=256)
             tr = s.prefill(ids, logits="all")
             steps = [s.step(t).logits[0] for t in ids[:5]]
             out[device] = (tr.logits, np.array(steps))
-    for a, b in zip(out["cpu"], out["cuda"]):
+    for a, b in zip(out["cpu:float"], out["cuda"]):
         err = np.abs(b - a).max() / np.abs(a).max()
         assert err < 1e-2, (config, err)
         top2 = np.sort(a, axis=1)[:, -2:]
