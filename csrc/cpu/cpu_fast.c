@@ -180,7 +180,7 @@ static void part_dots(const fast_job *j, const fast_part *p, int64_t begin, int6
         const uint8_t *row = base + (size_t)r * (size_t)p->row_bytes;
         float *d = dst + (r - begin);
         {
-            const float *wr = (const float *)row;
+            const void *wr = row;   /* the kernels read it bytewise: it may be misaligned */
             if (p->kind == ROWS_DEQUANT) {
                 /* type and width were checked by check_weight: this cannot fail */
                 float *tmp = state(j->be)->scratch[worker];

@@ -13,6 +13,7 @@
 #include "cpu_simd.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "quants.h"
@@ -31,7 +32,15 @@ QC_AVX2_INLINE float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-QC_AVX2_INLINE float half(qc_half h) { return _cvtsh_ss(h); }
+/* Blocks are read through byte pointers (field offsets from quants.h's structs), never as
+ * structs: GGUF allows alignments of 1 and 2, so a block may sit at an odd address. */
+#define FIELD(block, type, field) ((const uint8_t *)(block) + offsetof(type, field))
+
+QC_AVX2_INLINE float half_at(const uint8_t *p) {
+    qc_half h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
 
 /* eight int32 sums of pairs of pairs of u[i] * s[i], u unsigned, s signed */
 QC_AVX2_INLINE __m256i dot_us(__m256i u, __m256i s) {
@@ -131,12 +140,12 @@ QC_AVX2 static void quantize_avx2(const float *x, int64_t n, qc_q8_block *out) {
 /* Q8_0: x = d * q */
 QC_AVX2_INLINE void q8_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
-    const qc_block_q8_0 *w = row;
     __m256 acc[QC_Q8_MAX_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256 dw = _mm256_set1_ps(half(w[b].d));
-        const __m256i q = load32(w[b].qs);
+        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q8_0);
+        const __m256 dw = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q8_0, d)));
+        const __m256i q = load32(FIELD(wb, qc_block_q8_0, qs));
         const __m256i uq = _mm256_sign_epi8(q, q);
         for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
@@ -151,12 +160,12 @@ QC_DISPATCH(q8_0)
 /* Q4_0: x = d * (q - 8), q 0..15 */
 QC_AVX2_INLINE void q4_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
-    const qc_block_q4_0 *w = row;
     __m256 acc[QC_Q8_MAX_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256 dw = _mm256_set1_ps(half(w[b].d));
-        const __m256i q = _mm256_sub_epi8(nibbles32(w[b].qs), _mm256_set1_epi8(8));
+        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q4_0);
+        const __m256 dw = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q4_0, d)));
+        const __m256i q = _mm256_sub_epi8(nibbles32(FIELD(wb, qc_block_q4_0, qs)), _mm256_set1_epi8(8));
         const __m256i uq = _mm256_sign_epi8(q, q);
         for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
@@ -172,13 +181,13 @@ QC_DISPATCH(q4_0)
  * where the bit is clear (two's complement of nibble - 16) and the nibble itself where set. */
 QC_AVX2_INLINE void q5_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
-    const qc_block_q5_0 *w = row;
     __m256 acc[QC_Q8_MAX_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256 dw = _mm256_set1_ps(half(w[b].d));
-        const __m256i hi = _mm256_andnot_si256(bits32(w[b].qh), _mm256_set1_epi8((char)0xf0));
-        const __m256i q = _mm256_or_si256(nibbles32(w[b].qs), hi);
+        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q5_0);
+        const __m256 dw = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q5_0, d)));
+        const __m256i hi = _mm256_andnot_si256(bits32(FIELD(wb, qc_block_q5_0, qh)), _mm256_set1_epi8((char)0xf0));
+        const __m256i q = _mm256_or_si256(nibbles32(FIELD(wb, qc_block_q5_0, qs)), hi);
         const __m256i uq = _mm256_sign_epi8(q, q);
         for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
@@ -208,7 +217,6 @@ QC_AVX2_INLINE void q4_K_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
 
 QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
-    const qc_block_q4_K *w = row;
     __m256 acc[QC_Q8_MAX_TOKENS];
     float mins[QC_Q8_MAX_TOKENS];
     for (int t = 0; t < nt; t++) {
@@ -216,12 +224,12 @@ QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
         mins[t] = 0.0f;
     }
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        const qc_block_q4_K *wb = w + sb;
-        const float d = half(wb->d), dmin = half(wb->dmin);
+        const uint8_t *wb = (const uint8_t *)row + sb * (int64_t)sizeof(qc_block_q4_K);
+        const float d = half_at(FIELD(wb, qc_block_q4_K, d)), dmin = half_at(FIELD(wb, qc_block_q4_K, dmin));
         uint8_t sc[8], m[8];
-        q4_K_scales(wb->scales, sc, m);
+        q4_K_scales(FIELD(wb, qc_block_q4_K, scales), sc, m);
         for (int j = 0; j < 4; j++) {
-            const __m256i raw = load32(wb->qs + 32 * j);
+            const __m256i raw = load32(FIELD(wb, qc_block_q4_K, qs) + 32 * j);
             const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0f));
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
             const __m256 dlo = _mm256_set1_ps(d * (float)sc[2 * j]), dhi = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
@@ -249,16 +257,17 @@ QC_DISPATCH(q4_K)
  * have their own scale: vpmaddwd by (sc_a x8, sc_b x8) applies both. */
 QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
-    const qc_block_q6_K *w = row;
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
     __m256 acc[QC_Q8_MAX_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        const qc_block_q6_K *wb = w + sb;
-        const __m256 d = _mm256_set1_ps(half(wb->d));
+        const uint8_t *wb = (const uint8_t *)row + sb * (int64_t)sizeof(qc_block_q6_K);
+        const uint8_t *ql = FIELD(wb, qc_block_q6_K, ql), *qhp = FIELD(wb, qc_block_q6_K, qh);
+        const int8_t *scales = (const int8_t *)FIELD(wb, qc_block_q6_K, scales);
+        const __m256 d = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q6_K, d)));
         for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = load32(wb->ql + 64 * h), ql1 = load32(wb->ql + 64 * h + 32);
-            const __m256i qh = load32(wb->qh + 32 * h);
+            const __m256i ql0 = load32(ql + 64 * h), ql1 = load32(ql + 64 * h + 32);
+            const __m256i qh = load32(qhp + 32 * h);
             __m256i g[4];
             g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
                                    _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
@@ -271,7 +280,7 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
             for (int k = 0; k < 4; k++) {
                 const __m256i q = _mm256_sub_epi8(g[k], off);
                 const __m256i uq = _mm256_sign_epi8(q, q);
-                const int8_t *sc = wb->scales + 8 * h + 2 * k;
+                const int8_t *sc = scales + 8 * h + 2 * k;
                 const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
                 for (int t = 0; t < nt; t++) {
                     const qc_q8_block *xb = x + t * xs + sb * 8 + 4 * h + k;
@@ -290,30 +299,34 @@ QC_DISPATCH(q6_K)
 /* float rows by float activations                                                           */
 
 QC_AVX2 static float f32_dot(const void *row, const float *x, int64_t n) {
-    const float *w = row;
+    const uint8_t *w = row;   /* floats, possibly at an address that is not a multiple of 4 */
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(w + 4 * i)), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(w + 4 * i + 32)), _mm256_loadu_ps(x + i + 8), a1);
     }
     float sum = hsum_ps(_mm256_add_ps(a0, a1));
-    for (; i < n; i++) sum = fmaf(w[i], x[i], sum);
+    for (; i < n; i++) {
+        float wi;
+        memcpy(&wi, w + 4 * i, sizeof wi);
+        sum = fmaf(wi, x[i], sum);
+    }
     return sum;
 }
 
 QC_AVX2 static float f16_dot(const void *row, const float *x, int64_t n) {
-    const uint16_t *w = row;
+    const uint8_t *w = row;   /* halves, possibly at an odd address */
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
-        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8)));
+        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
+        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i + 16)));
         a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i), a0);
         a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i + 8), a1);
     }
     float sum = hsum_ps(_mm256_add_ps(a0, a1));
-    for (; i < n; i++) sum = fmaf(half(w[i]), x[i], sum);
+    for (; i < n; i++) sum = fmaf(half_at(w + 2 * i), x[i], sum);
     return sum;
 }
 
