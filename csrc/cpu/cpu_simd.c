@@ -5,6 +5,9 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(QC_NO_SIMD)
+#include <cpuid.h>
+#endif
 
 static const qc_simd_kernels *g_kernels;
 static char g_describe[160];
@@ -12,12 +15,15 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
 static void detect(void) {
     const qc_simd_kernels *k = NULL;
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(QC_NO_SIMD)
     /* gcc and clang read cpuid (and whether the OS saves the AVX registers, XCR0) once at load;
-     * __builtin_cpu_init makes that explicit for code that may run before constructors. */
+     * __builtin_cpu_init makes that explicit for code that may run before constructors. F16C
+     * is cpuid leaf 1, ecx bit 29, read directly: not every compiler's __builtin_cpu_supports
+     * knows it (clang 14 does not). */
+    unsigned a, b, c, d;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
+        __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)))
         k = qc_simd_avx2_kernels();
 #endif
     g_kernels = k;

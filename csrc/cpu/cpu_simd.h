@@ -12,7 +12,8 @@
  * The kernels are compiled with per-function target attributes (simd_avx2.c), so the module is
  * still built for baseline x86-64 and runs anywhere; qc_simd_get() picks them once, from
  * cpuid, and returns NULL where the CPU lacks them (or on other architectures): the backend
- * then runs the reference ops.
+ * then runs the reference ops. -DQC_NO_SIMD builds without them (what other architectures
+ * get: the portable path).
  *
  * Numerics of the 8-bit path: quantizing x costs a relative error of at most 1/254 of a
  * block's largest |x| per element (typically ~1e-3 of a dot product's scale), the products

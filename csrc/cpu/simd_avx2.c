@@ -18,7 +18,7 @@
 
 #include "quants.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(QC_NO_SIMD)
 #include <immintrin.h>
 
 #define QC_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -45,11 +45,6 @@ QC_AVX2_INLINE float half_at(const uint8_t *p) {
 /* eight int32 sums of pairs of pairs of u[i] * s[i], u unsigned, s signed */
 QC_AVX2_INLINE __m256i dot_us(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-/* the same for signed w: |w| times x with the sign of w */
-QC_AVX2_INLINE __m256i dot_ss(__m256i w, __m256i x) {
-    return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
 /* 16 bytes of packed nibbles to 32 bytes 0..15: low nibbles (elements 0..15) then high ones */
