@@ -1181,6 +1181,57 @@ done:
     return res;
 }
 
+/* _kernel_sample_state(device, logits float32 (n_vocab,), rng, temperature, top_k, top_p, min_p,
+ * repeat_penalty, history int32 (m,)) -> (token, rng after): the sample op on a state given
+ * as is, for tests: unlike a Sampler's export, the history may repeat a token or name ids out
+ * of range, which the op must ignore (sampler.h). Parameters are not checked: tests only. */
+static PyObject *kernel_sample_state(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *xobj, *hobj;
+    unsigned long long rng;
+    float temperature, top_p, min_p, penalty;
+    int top_k;
+    PyArrayObject *x = NULL, *h = NULL;
+    qc_sample_state *state = NULL;
+    qc_sample_result drawn = {0, -1, 0};
+    kernel_job j = {0};
+    cached_backend *c;
+    PyObject *res = NULL;
+    if (!PyArg_ParseTuple(args, "sOKfifffO", &device, &xobj, &rng, &temperature, &top_k, &top_p,
+                          &min_p, &penalty, &hobj))
+        return NULL;
+    if ((c = get_backend(device)) == NULL) return NULL;
+    if ((x = as_array(xobj, NPY_FLOAT32, 1, "sample logits (n_vocab,)")) == NULL) goto done;
+    if ((h = as_array(hobj, NPY_INT32, 1, "sample history (m,)")) == NULL) goto done;
+    const size_t hist_bytes = (size_t)PyArray_DIM(h, 0) * sizeof(int32_t);
+    if (rng == 0 || PyArray_DIM(h, 0) > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "_kernel_sample_state: rng must be nonzero, history < 2^31");
+        goto done;
+    }
+    if ((state = malloc(sizeof *state + hist_bytes)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    *state = (qc_sample_state){.rng = rng, .temperature = temperature, .top_p = top_p,
+                               .min_p = min_p, .repeat_penalty = penalty, .top_k = top_k,
+                               .n_history = (int32_t)PyArray_DIM(h, 0)};
+    if (hist_bytes) memcpy(state + 1, PyArray_DATA(h), hist_bytes);
+    j.op = op_sample;
+    j.count = (int64_t)PyArray_DIM(x, 0);
+    job_in(&j, PyArray_DATA(x), nbytes_of(x));
+    job_in(&j, state, sizeof *state + hist_bytes);
+    job_out(&j, NULL, qc_sample_work_bytes(j.count), -1);
+    job_out(&j, &drawn, sizeof drawn, -1);
+    if (run_job(c, &j) < 0) goto done;
+    res = Py_BuildValue("iK", (int)drawn.token, (unsigned long long)drawn.rng);
+done:
+    free(state);
+    Py_XDECREF(x);
+    Py_XDECREF(h);
+    return res;
+}
+
 static double now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -1305,6 +1356,9 @@ static PyMethodDef kernel_methods[] = {
     {"kernel_swiglu", kernel_swiglu, METH_VARARGS, "kernel_swiglu(device, gate, up) -> silu(gate) * up"},
     {"kernel_add", kernel_add, METH_VARARGS, "kernel_add(device, a, b) -> a + b"},
     {"kernel_argmax", kernel_argmax, METH_VARARGS, "kernel_argmax(device, x float32 (n, cols)) -> int32 (n,)"},
+    {"_kernel_sample_state", kernel_sample_state, METH_VARARGS,
+     "_kernel_sample_state(device, logits, rng, temperature, top_k, top_p, min_p, repeat_penalty, "
+     "history int32) -> (token, rng): the sample op on a raw state (tests)"},
     {"kernel_sample", kernel_sample, METH_VARARGS,
      "kernel_sample(device, logits float32 (n_vocab,), sampler) -> int: the sampler's next draw, on the backend"},
     {"kernel_time_matmul", kernel_time_matmul, METH_VARARGS,

@@ -168,3 +168,48 @@ def test_generate_same_seed_same_text_cpu_and_cuda(tiny_model_path):
         with qc.Model(tiny_model_path, device=device) as m:
             out[device] = m.generate([1, 2, 3, 4], **kw).tokens
     assert out["cpu"] == out["cuda"]
+
+
+def test_a_repeated_penalty_token_counts_once(device):
+    """A token named several times in the penalty history is penalised once, and ids out of
+    range are ignored (sampler.h), on the device as on the host (issue 14 item 11). A Sampler's
+    export already lists distinct tokens, so the raw state goes in through
+    _core._kernel_sample_state: the kernel's own duplicate marks are what is tested."""
+    from qwencuda import _core
+
+    n = 4096
+    data = rows(n, "normal", 6, seed=77)
+    hot = [int(t) for t in np.argsort(data[0])[-8:]]          # strong candidates: the penalty bites
+    dup = np.array(hot * 5 + [hot[-1]] * 17 + [-1, n, n + 5], np.int32)
+    distinct = np.array(sorted(set(hot)), np.int32)
+    none = np.zeros(0, np.int32)
+    moved = multiple = 0
+    for temperature, top_k, top_p, penalty in ((0.0, 0, 1.0, 1.7), (0.0, 0, 1.0, 1.1),
+                                               (0.9, 20, 1.0, 1.4), (1.1, 0, 0.9, 0.6),
+                                               (0.7, 0, 1.0, 3.0)):
+        for i, row in enumerate(data):
+            args = (row, 987654321 + 7919 * i, temperature, top_k, top_p, 0.0, penalty)
+            got = _core._kernel_sample_state(device, *args, dup)
+            once = _core._kernel_sample_state("cpu", *args, distinct)
+            assert got == once, (device, temperature, penalty, i)
+            if temperature == 0.0:
+                # the test can fail: without the penalty, or with it applied 5 times (as a
+                # kernel that counted repeats would), some greedy rows pick another token
+                plain = _core._kernel_sample_state("cpu", *args[:-1], 1.0, none)
+                five = _core._kernel_sample_state("cpu", *args[:-1], penalty ** 5, distinct)
+                moved += plain[0] != once[0]
+                multiple += five[0] != once[0]
+    assert moved >= 1 and multiple >= 1, (moved, multiple)
+
+    # the same through Samplers whose accepted tokens repeat: the device draws what the host draws
+    host = qc.Sampler(n, seed=9, temperature=0.8, top_k=30, repeat_penalty=1.5, repeat_last_n=64)
+    dev = qc.Sampler(n, seed=9, temperature=0.8, top_k=30, repeat_penalty=1.5, repeat_last_n=64)
+    for t in hot * 6:
+        host.accept(t)
+        dev.accept(t)
+    for row in data:
+        want = host.sample(row)
+        assert K.sample(row, dev, device=device) == want
+        for s in (host, dev):
+            s.accept(want)
+            s.accept(hot[0])
