@@ -6,8 +6,11 @@
  * copied: gguf_tensor.data points into the mapping, valid until gguf_close.
  *
  * Rejected as malformed: nested arrays, duplicate keys or tensor names, bool bytes other than
- * 0/1, a general.alignment that is not a UINT32 power of two. With an alignment below 8 tensor
- * data can sit at odd addresses: readers of block structs must check or copy.
+ * 0/1, a general.alignment that is not a UINT32 power of two, tensor data that is not stored
+ * back to back in table order from offset 0 (each tensor padded to the alignment, as llama.cpp
+ * demands), and bytes after the last tensor beyond its padding. With an alignment below 8
+ * tensor data can sit at odd addresses: readers of block structs must check or copy
+ * (quants.c copies).
  */
 #ifndef QC_GGUF_H
 #define QC_GGUF_H
