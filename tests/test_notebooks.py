@@ -44,6 +44,13 @@ def test_notebook_runs(name, which, monkeypatch, tmp_path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+    if name.startswith("02"):
+        # the text claims the stale winner beats every real token in every row: it must
+        printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                          for o in c.get("outputs", []))
+        line = next(ln for ln in printed.splitlines() if ln.startswith("stale winner above"))
+        above = [float(v) for v in line.split("[", 1)[1].rstrip("]").split()]
+        assert above and min(above) > 0, line
     if which == "synthetic" and name.startswith("01"):
         printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                           for o in c.get("outputs", []))
