@@ -129,7 +129,8 @@ class Session:
 
     def __init__(self, model, max_context, kv_type=None, prefill_chunk=None):
         self._model = model
-        self._s = model._core_model().session(int(max_context), _kv_type(kv_type, model.device))
+        kv_type = model.kv_type if kv_type is None else _kv_type(kv_type, model.device)
+        self._s = model._core_model().session(int(max_context), kv_type)
         if prefill_chunk is not None:
             self._s.prefill_chunk = prefill_chunk
         if _capture_budget is not None:
@@ -254,9 +255,11 @@ class Model:
 
     path None: QWENCUDA_MODEL, then the default model (qwencuda.default_model).
     device: "auto" (cuda when built and present, else cpu), "cpu", "cuda" or "cuda:N".
-    threads: CPU worker threads (None: every core)."""
+    threads: CPU worker threads (None: every core).
+    kv_type: the KV cache type of this model's sessions unless a session names its own: "f16"
+    (None on CUDA) or "f32" (None on the CPU)."""
 
-    def __init__(self, path=None, device="auto", threads=None):
+    def __init__(self, path=None, device="auto", threads=None, kv_type=None):
         if path is None:
             from .default_model import resolve_model_path
 
@@ -270,6 +273,7 @@ class Model:
         self._m = _core.Model(path, device, threads)
         self.path = path
         self.device = self._m.device
+        self.kv_type = _kv_type(kv_type, self.device)
         self.config = Config(**self._m.config)
         self._names = capture_names(self.config.n_layer)
         self._tokenizer = None
@@ -313,8 +317,8 @@ class Model:
     def session(self, max_context=None, kv_type=None, prefill_chunk=None) -> Session:
         """A KV cache of max_context positions (default min(4096, the training context)).
 
-        kv_type: "f16" (default on CUDA: half the memory, tensor-core flash attention) or "f32"
-        (default on the CPU; on CUDA the exact fp32 attention). prefill_chunk: most tokens per
+        kv_type: "f16" (half the memory, tensor-core flash attention on CUDA) or "f32" (on CUDA
+        the exact fp32 attention); None: the model's kv_type. prefill_chunk: most tokens per
         forward pass (None: 4096)."""
         self._core_model()
         if max_context is None:

@@ -9,6 +9,11 @@ must have -inf at the same places, and are compared on their finite values):
     which Qwen2's large q/k biases amplify in the attention scores.
 Real-size checks (0.5B shapes: greedy tokens equal to the CPU engine's, or the first difference
 is a near-tie) need the GPU machine; so do the memory and error checks.
+
+These are the exact paths: CUDA with an F32 KV cache (kv_type="f32") and the CPU's float32
+reference kernels (device "cpu:float"). The F16 cache and flash attention (CUDA's default) and the
+CPU's 8-bit-activation kernels (its default) have tests of their own with their own tolerances
+(test_long_context.py, test_kernels.py).
 """
 import os
 
@@ -88,8 +93,8 @@ def _tol(weight_type, n):
 def test_three_engines_tiny(synth_dir, weight_type, n):
     path = synth(synth_dir, "tiny", weight_type)
     ids = _ids(n, 400, seed=n)
-    with qwencuda.Model(path, device="cuda") as mc, qwencuda.Model(path, device="cpu") as mp:
-        tc = mc.forward(ids, capture="*", logits="all")
+    with qwencuda.Model(path, device="cuda") as mc, qwencuda.Model(path, device="cpu:float") as mp:
+        tc = mc.forward(ids, capture="*", logits="all", kv_type="f32")
         tp = mp.forward(ids, capture="*", logits="all")
     tr = qwencuda.reference.forward(path, ids, capture="*", logits="all")
     tol = _tol(weight_type, n)
@@ -106,8 +111,8 @@ def test_three_engines_shapes(synth_dir, config, weight_type):
     for n in (3, 12):
         ids = _ids(n, n_vocab, seed=n)
         with qwencuda.Model(path, device="cuda") as mc:
-            tc = mc.forward(ids, capture="*", logits="all")
-        with qwencuda.Model(path, device="cpu") as mp:
+            tc = mc.forward(ids, capture="*", logits="all", kv_type="f32")
+        with qwencuda.Model(path, device="cpu:float") as mp:
             tp = mp.forward(ids, capture="*", logits="all")
         tr = qwencuda.reference.forward(path, ids, capture="*", logits="all")
         tol = _tol(weight_type, n)
@@ -122,7 +127,8 @@ def test_decode_steps_match_cpu(synth_dir, weight_type):
     ids = _ids(14, 400, seed=3)
     traces = {}
     for dev in ("cuda", "cpu"):
-        with qwencuda.Model(path, device=dev) as m, m.session(max_context=64) as s:
+        with qwencuda.Model(path, device=dev if dev == "cuda" else "cpu:float") as m, \
+                m.session(max_context=64, kv_type="f32") as s:
             out = [s.prefill(ids[:6], capture="blk.*", logits="last")]
             for t in ids[6:]:
                 out.append(s.step(int(t), capture="blk.*"))
