@@ -69,6 +69,16 @@ QC_AVX2_INLINE __m256i bits32(const uint8_t *p) {
 
 QC_AVX2_INLINE __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* A decode (one token) streams each weight row once from DRAM: asking for the bytes 4 KiB ahead
+ * of the block in hand keeps more lines in flight than the hardware prefetcher alone (on one
+ * Zen 3 core, lm_head-sized Q8_0: best of 4 runs 11.1 -> 14.1 GB/s; Q5_0 8.1 -> 8.8 GB/s, as
+ * quants.c measured for the reference). Prefill reuses rows from L2 and does not need it.
+ * Prefetching past the end of the weights is harmless (it never faults). */
+#define QC_PREFETCH_AHEAD 4096
+QC_AVX2_INLINE void prefetch_ahead(const uint8_t *block, int bytes) {
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)block + QC_PREFETCH_AHEAD + i, _MM_HINT_T0);
+}
+
 /* dw * dx in every lane: dw is broadcast once per weight block and shared by the tokens, dx
  * broadcast straight from memory (a load, no shuffle), one vmulps per (block, token) */
 QC_AVX2_INLINE __m256 scale(__m256 dw, const qc_q8_block *xb) {
@@ -139,6 +149,7 @@ QC_AVX2_INLINE void q8_0_rows(const void *row, const qc_q8_block *x, int64_t xs,
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q8_0);
+        if (nt == 1) prefetch_ahead(wb, 1);
         const __m256 dw = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q8_0, d)));
         const __m256i q = load32(FIELD(wb, qc_block_q8_0, qs));
         const __m256i uq = _mm256_sign_epi8(q, q);
@@ -159,6 +170,7 @@ QC_AVX2_INLINE void q4_0_rows(const void *row, const qc_q8_block *x, int64_t xs,
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q4_0);
+        if (nt == 1) prefetch_ahead(wb, 1);
         const __m256 dw = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q4_0, d)));
         const __m256i q = _mm256_sub_epi8(nibbles32(FIELD(wb, qc_block_q4_0, qs)), _mm256_set1_epi8(8));
         const __m256i uq = _mm256_sign_epi8(q, q);
@@ -180,6 +192,7 @@ QC_AVX2_INLINE void q5_0_rows(const void *row, const qc_q8_block *x, int64_t xs,
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q5_0);
+        if (nt == 1) prefetch_ahead(wb, 1);
         const __m256 dw = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q5_0, d)));
         const __m256i hi = _mm256_andnot_si256(bits32(FIELD(wb, qc_block_q5_0, qh)), _mm256_set1_epi8((char)0xf0));
         const __m256i q = _mm256_or_si256(nibbles32(FIELD(wb, qc_block_q5_0, qs)), hi);
@@ -220,6 +233,7 @@ QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
     }
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *wb = (const uint8_t *)row + sb * (int64_t)sizeof(qc_block_q4_K);
+        if (nt == 1) prefetch_ahead(wb, (int)sizeof(qc_block_q4_K));
         const float d = half_at(FIELD(wb, qc_block_q4_K, d)), dmin = half_at(FIELD(wb, qc_block_q4_K, dmin));
         uint8_t sc[8], m[8];
         q4_K_scales(FIELD(wb, qc_block_q4_K, scales), sc, m);
@@ -257,6 +271,7 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *wb = (const uint8_t *)row + sb * (int64_t)sizeof(qc_block_q6_K);
+        if (nt == 1) prefetch_ahead(wb, (int)sizeof(qc_block_q6_K));
         const uint8_t *ql = FIELD(wb, qc_block_q6_K, ql), *qhp = FIELD(wb, qc_block_q6_K, qh);
         const int8_t *scales = (const int8_t *)FIELD(wb, qc_block_q6_K, scales);
         const __m256 d = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q6_K, d)));
