@@ -4,7 +4,6 @@ import io
 import sys
 import types
 
-import numpy as np
 import pytest
 
 import qwencuda as qc
