@@ -399,9 +399,9 @@ def real(real_reference):
 
 
 @pytest.fixture(scope="module")
-def real_tok(real_model_path):
+def real_tok(real_gguf_reader):
     pytest.importorskip("tokenizers")
-    return qt.hf_tokenizer(real_model_path)
+    return qt.hf_tokenizer(real_gguf_reader)         # the session's GGUFReader (conftest.py)
 
 
 FIB = "def fibonacci(n):"
