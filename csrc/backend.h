@@ -55,6 +55,14 @@ typedef struct qc_kv_cache {
     int type;                 /* qc_kv_type */
 } qc_kv_cache;
 
+/* Keys up to which a decode step is "short" (bucket 0), beyond it "long" (bucket 1): CUDA decodes
+ * short contexts with the split-K kernel (one block per head and split, fewer launches to merge)
+ * and long ones with the flash kernel (one K/V read per KV head). Measured on an H100 (0.5B,
+ * decode tok/s split / flash): 1025 keys 853 / 858, 2049 759 / 688, 4097 669 / 691,
+ * 16385 387 / 643. */
+#define QC_KV_SHORT 3072
+static inline int qc_kv_bucket(int n_kv) { return n_kv > QC_KV_SHORT; }
+
 /* Bytes of one cache element. */
 static inline size_t qc_kv_type_size(int type) { return type == QC_KV_F16 ? 2 : 4; }
 
@@ -101,6 +109,8 @@ typedef struct qc_backend_ops {
      * path). Without them, CUDA runs flash attention on tensor cores over an F16 cache (q and
      * the probabilities rounded to f16, fp32 accumulation); an F32 cache, and the CPU, keep the
      * exact path. */
+    /* A backend may choose its kernel by n_kv's bucket (qc_kv_bucket): a recording replays only
+     * for evals in the bucket it was recorded in. */
     int (*attention)(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
                      int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
                      float *probs);

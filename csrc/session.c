@@ -114,8 +114,9 @@ struct qc_session {
     int32_t *amax;            /* (logit_rows) */
     int logit_rows;
     qc_attn_rows ar;
-    void *decode_rec[3];      /* the recorded decode step (backend replay), or NULL: [0] with
-                                 the argmax, [1] with a draw, [2] with both */
+    void *decode_rec[2][3];   /* the recorded decode step (backend replay), or NULL, per
+                                 qc_kv_bucket of its keys: [0] with the argmax, [1] with a draw,
+                                 [2] with both */
     /* sampling on the backend (an eval with a sampler), allocated at the first such eval */
     void *sample_state;       /* (sample_state_cap) qc_sample_state and its token ids */
     size_t sample_state_cap;
@@ -423,9 +424,11 @@ static int scratch_build(qc_backend *be, const qc_config *c, int rows, qc_scratc
 
 /* A recording holds the buffer pointers it was made with: forget it when they change. */
 static void drop_recording(qc_session *s) {
-    for (int i = 0; i < 3; i++) {
-        if (s->decode_rec[i]) s->be->ops->recording_free(s->be, s->decode_rec[i]);
-        s->decode_rec[i] = NULL;
+    for (int b = 0; b < 2; b++) {
+        for (int i = 0; i < 3; i++) {
+            if (s->decode_rec[b][i]) s->be->ops->recording_free(s->be, s->decode_rec[b][i]);
+            s->decode_rec[b][i] = NULL;
+        }
     }
 }
 
@@ -895,7 +898,7 @@ static int upload_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
 static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     qc_backend *be = s->be;
     const qc_backend_ops *op = be->ops;
-    void **slot = &s->decode_rec[p->do_sample ? 1 + p->do_argmax : 0];
+    void **slot = &s->decode_rec[qc_kv_bucket(p->n_kv)][p->do_sample ? 1 + p->do_argmax : 0];
     if (*slot == NULL) {
         void *rec = NULL;
         if (op->record_begin(be) < 0) {

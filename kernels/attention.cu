@@ -293,7 +293,7 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         return qc_cuda_value_error(be, "attention: unknown KV cache type %d", cache.type);
     /* an F16 cache without captured scores: the tensor-core kernels (flash_attention.cu) */
     if (!scores && !probs && cache.type == QC_KV_F16 && qc_cuda_flash_head_dim(head_dim) &&
-        (n > QC_GEMV_MAX_TOKENS || cu->flash_decode))
+        (n > QC_GEMV_MAX_TOKENS || (cu->flash_decode && qc_kv_bucket(n_kv))))
         return qc_cuda_flash_attention(be, q, cache, pos, n, n_head, n_head_kv, head_dim, out);
     if (n > 65535) return qc_cuda_value_error(be, "attention: %d queries in one call (at most 65535)", n);
     /* G: the smallest power of two with G * QC_ATT_MAXD >= head_dim, at least head_dim / 4, so a

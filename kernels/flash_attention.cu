@@ -18,7 +18,9 @@
  * read past the cache).
  *
  * Decode and short evals (n <= QC_GEMV_MAX_TOKENS) have few rows: the key tiles are dealt to
- * SPLITS blocks (tile z, z + SPLITS, ...), each writes its rows' partial (m, l, O) to
+ * SPLITS blocks of KW warps (warp w of block z takes tiles z * KW + w, then every SPLITS * KW),
+ * each warp with K/V buffers of its own; the block's warps merge through shared memory, and
+ * each block writes its rows' partial (m, l, O) to
  * cu->attn_part, and the last block of a row tile to finish (cu->attn_done) merges them, as
  * attention.cu's split-K kernel does. SPLITS is a template constant so that the merge's loads
  * of every split's partial are issued together (unrolled), not one L2 round trip after another. The grid depends on the shapes only, never on the
@@ -27,9 +29,10 @@
 #include "qc_cuda.cuh"
 
 #define QC_FA_BC 64                /* keys per tile */
-#define QC_FA_PREFILL_WARPS 4      /* 64 rows per block */
-#define QC_FA_DECODE_WARPS 1       /* 16 rows: one token's query heads of a KV head */
-#define QC_FA_SPLITS 32            /* key splits of a decode step (a compile-time count: the merge's
+#define QC_FA_PREFILL_WARPS 4      /* 64 rows per block, one warp per 16 rows */
+#define QC_FA_DECODE_WARPS 1       /* 16 rows: one token's query heads of a KV head ... */
+#define QC_FA_DECODE_KW(D) ((D) == 64 ? 4 : 2)   /* ... and this many warps walking its key tiles */
+#define QC_FA_SPLITS 64            /* key splits of a decode step (a compile-time count: the merge's
                                       loads unroll) */
 
 /* ---- tensor-core and copy primitives (sm_80+) ------------------------------------------- */
@@ -68,38 +71,47 @@ __device__ __forceinline__ uint32_t qc_pack_half2(float lo, float hi) {
 
 /* ---- the kernel ------------------------------------------------------------------------- */
 
-/* Shared memory: Q (R rows), then two buffers of K and two of V (QC_FA_BC rows each), every row
- * D + 8 halves: the padding puts the 8 rows an mma fragment reads in 8 different bank groups. */
-template <int D, int WARPS>
+/* Shared memory: Q (R rows), then per key warp two buffers of K and two of V (QC_FA_BC rows
+ * each), every row D + 8 halves: the padding puts the 8 rows an mma fragment reads in 8
+ * different bank groups. WARPS warps take 16 rows each (R = 16 * WARPS); KW warps walk the keys
+ * (KW > 1 only with WARPS = 1). */
+template <int D, int WARPS, int KW>
 struct qc_fa_smem {
     static constexpr int R = 16 * WARPS;
     static constexpr int LD = D + 8;
+    static constexpr int THREADS = 32 * WARPS * KW;
     static constexpr size_t q_halves = (size_t)R * LD;
     static constexpr size_t tile_halves = (size_t)QC_FA_BC * LD;
-    static constexpr size_t bytes = (q_halves + 4 * tile_halves) * sizeof(__half);
+    static constexpr size_t warp_halves = 4 * tile_halves;    /* K and V, double-buffered */
+    static constexpr size_t bytes = (q_halves + KW * warp_halves) * sizeof(__half);
 };
 
-template <int D, int WARPS, int SPLITS>
-__global__ void __launch_bounds__(32 * WARPS)
+template <int D, int WARPS, int SPLITS, int KW>
+__global__ void __launch_bounds__(32 * WARPS * KW)
 qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict__ k_cache,
                           const __half *__restrict__ v_cache, const int32_t *__restrict__ pos,
                           int n, int n_head, int n_head_kv, float scale_log2,
                           float *__restrict__ out, float *__restrict__ part,
                           unsigned int *__restrict__ done) {
-    using L = qc_fa_smem<D, WARPS>;
-    constexpr int R = L::R, LD = L::LD, NT = QC_FA_BC / 8, KS = D / 16, DT = D / 8;
+    using L = qc_fa_smem<D, WARPS, KW>;
+    constexpr int R = L::R, LD = L::LD, NT = QC_FA_BC / 8, KS = D / 16, DT = D / 8, NTH = L::THREADS;
+    static_assert(KW == 1 || (WARPS == 1 && SPLITS > 1), "key warps: one row warp, split blocks");
     extern __shared__ __align__(16) __half fa_smem[];
     __half *Qs = fa_smem;
-    __half *Ks = Qs + L::q_halves;              /* [2][QC_FA_BC][LD] */
-    __half *Vs = Ks + 2 * L::tile_halves;       /* [2][QC_FA_BC][LD] */
+    const int tid = threadIdx.x, lane = tid & 31;
+    /* a row warp (its 16 rows) and a key warp (its tiles and buffers) */
+    const int warp = KW == 1 ? tid >> 5 : 0, kw = KW == 1 ? 0 : tid >> 5;
+    __half *Ks = Qs + L::q_halves + kw * L::warp_halves;   /* [2][QC_FA_BC][LD] of this key warp */
+    __half *Vs = Ks + 2 * L::tile_halves;                  /* [2][QC_FA_BC][LD] */
     __shared__ bool last_block;
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;      /* fragment row group and column pair */
     const int G = n_head / n_head_kv, kv_dim = n_head_kv * D;
     const int total_rows = n * G;
     const int n_rt = gridDim.x, rt = n_rt - 1 - blockIdx.x;   /* the longest row tiles first */
     const int kvh = blockIdx.y, split = blockIdx.z, splits = SPLITS;
+    /* the threads that share K/V buffers: the block (KW = 1) or one warp */
+    const int ltid = KW == 1 ? tid : lane, lthreads = KW == 1 ? NTH : 32;
     const int row0 = rt * R;
 
     /* the keys this block needs: 0 .. pos of its last token (positions grow with the token) */
@@ -108,7 +120,7 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     const __half *kbase = k_cache + (int64_t)kvh * D, *vbase = v_cache + (int64_t)kvh * D;
 
     /* stage Q (f16) */
-    for (int i = tid; i < R * (D / 2); i += 32 * WARPS) {
+    for (int i = tid; i < R * (D / 2); i += NTH) {
         const int rr = i / (D / 2), d = 2 * (i % (D / 2)), r = row0 + rr;
         float2 v = make_float2(0.0f, 0.0f);
         if (r < total_rows) {
@@ -121,7 +133,7 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     /* one tile of K and V into buffer b; keys past kmax are zero-filled */
     auto load_tile = [&](int tile, int b) {
         __half *ks = Ks + b * L::tile_halves, *vs = Vs + b * L::tile_halves;
-        for (int i = tid; i < QC_FA_BC * (D / 8); i += 32 * WARPS) {
+        for (int i = ltid; i < QC_FA_BC * (D / 8); i += lthreads) {
             const int kr = i / (D / 8), d = 8 * (i % (D / 8)), j = tile * QC_FA_BC + kr;
             const bool ok = j <= kmax;
             const int64_t off = ok ? (int64_t)j * kv_dim + d : 0;
@@ -130,7 +142,8 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
         }
     };
 
-    int tile = split;
+    int tile = split * KW + kw;
+    const int stride = SPLITS * KW;
     if (tile < n_tiles) load_tile(tile, 0);
     qc_cp_async_commit();
     __syncthreads();   /* Q staged */
@@ -154,12 +167,12 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
     float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
 
-    for (int b = 0; tile < n_tiles; tile += splits, b ^= 1) {
-        const int next = tile + splits;
+    for (int b = 0; tile < n_tiles; tile += stride, b ^= 1) {
+        const int next = tile + stride;
         if (next < n_tiles) load_tile(next, b ^ 1);
         qc_cp_async_commit();
         qc_cp_async_wait<1>();   /* this tile's group is complete; the next one may be in flight */
-        __syncthreads();
+        if (KW == 1) __syncthreads(); else __syncwarp();
         const __half *ks = Ks + b * L::tile_halves, *vs = Vs + b * L::tile_halves;
 
         /* S = Q K^T */
@@ -238,7 +251,8 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
                 qc_mma_f16(o[dt + 1], pa, vb[2], vb[3]);
             }
         }
-        __syncthreads();   /* every warp is done with buffer b before it is refilled */
+        /* every thread is done with buffer b before it is refilled */
+        if (KW == 1) __syncthreads(); else __syncwarp();
     }
     qc_cp_async_wait<0>();
 
@@ -246,6 +260,54 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     for (int off = 1; off <= 2; off <<= 1) {
         l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
         l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+    }
+
+    if constexpr (KW > 1) {
+        /* the key warps' (m, l, O) into key warp 0's registers: each warp leaves its rows in its
+         * own (now idle) K buffer, [16][D + 2] floats, at the fragment positions it holds */
+        float *mine_s = reinterpret_cast<float *>(Ks);
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            float *p = mine_s + (half ? rb : ra) * (D + 2);
+            if (c == 0) {
+                p[0] = half ? m_b : m_a;
+                p[1] = half ? l_b : l_a;
+            }
+#pragma unroll
+            for (int dt = 0; dt < DT; dt++) {
+                p[2 + dt * 8 + 2 * c] = o[dt][2 * half];
+                p[2 + dt * 8 + 2 * c + 1] = o[dt][2 * half + 1];
+            }
+        }
+        __syncthreads();
+        if (kw == 0) {
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int r = half ? rb : ra;
+                float M = half ? m_b : m_a;
+                for (int w = 1; w < KW; w++)
+                    M = fmaxf(M, reinterpret_cast<const float *>(Qs + L::q_halves + w * L::warp_halves)[r * (D + 2)]);
+                const float base = M == -INFINITY ? 0.0f : M;
+                float scale0 = exp2f((half ? m_b : m_a) - base);
+                float lsum = (half ? l_b : l_a) * scale0;
+#pragma unroll
+                for (int dt = 0; dt < DT; dt++) {
+                    o[dt][2 * half] *= scale0;
+                    o[dt][2 * half + 1] *= scale0;
+                }
+                for (int w = 1; w < KW; w++) {
+                    const float *p = reinterpret_cast<const float *>(Qs + L::q_halves + w * L::warp_halves) + r * (D + 2);
+                    const float sw = exp2f(p[0] - base);
+                    lsum = fmaf(p[1], sw, lsum);
+#pragma unroll
+                    for (int dt = 0; dt < DT; dt++) {
+                        o[dt][2 * half] = fmaf(p[2 + dt * 8 + 2 * c], sw, o[dt][2 * half]);
+                        o[dt][2 * half + 1] = fmaf(p[2 + dt * 8 + 2 * c + 1], sw, o[dt][2 * half + 1]);
+                    }
+                }
+                if (half) { m_b = M; l_b = lsum; } else { m_a = M; l_a = lsum; }
+            }
+        }
     }
 
     if constexpr (SPLITS == 1) {
@@ -262,11 +324,12 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
                     make_float2(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
         }
     } else {
-        /* split: publish (m, l, O) of both rows, count the split; the last block merges */
+        /* split: publish (m, l, O) of both rows (key warp 0 holds the block's), count the
+         * split; the last block merges */
         const int64_t pair = (int64_t)kvh * n_rt + rt;
         float *mine = part + (pair * splits + split) * (int64_t)R * (D + 2);
 #pragma unroll
-        for (int half = 0; half < 2; half++) {
+        for (int half = 0; half < 2 && kw == 0; half++) {
             float *p = mine + (int64_t)(half ? rb : ra) * (D + 2);
             if (c == 0) {
                 p[0] = half ? m_b : m_a;
@@ -290,11 +353,11 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
 
         /* weights 2^(m_s - M) / L per row and split, in the (now idle) K buffers: LPR lanes per row,
          * each over SPL splits, every load of a lane issued at once */
-        constexpr int LPR = 32 * WARPS / R, SPL = SPLITS / LPR;
+        constexpr int LPR = NTH / R, SPL = SPLITS / LPR;
         static_assert(LPR >= 1 && (LPR & (LPR - 1)) == 0 && SPLITS % LPR == 0, "lanes per merged row");
         static_assert(R * SPLITS <= QC_FA_BC * LD, "the merge weights fit in the K buffers");
         const float *all = part + pair * SPLITS * (int64_t)R * (D + 2);
-        float *w = reinterpret_cast<float *>(Ks);   /* [R][SPLITS] */
+        float *w = reinterpret_cast<float *>(Qs + L::q_halves);   /* [R][SPLITS], over key warp 0's K */
         {
             const int rr = tid / LPR, s0 = (tid % LPR) * SPL;
             float ms[SPL], ls[SPL];
@@ -323,7 +386,7 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
         __syncthreads();
         const int valid = min(R, total_rows - row0);
 #pragma unroll 2
-        for (int i = tid; i < valid * D; i += 32 * WARPS) {
+        for (int i = tid; i < valid * D; i += NTH) {
             const int rr = i / D, d = i % D, r = row0 + rr;
             float acc = 0.0f;
 #pragma unroll
@@ -336,18 +399,18 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
 
 /* ---- launch ----------------------------------------------------------------------------- */
 
-template <int D, int WARPS, int SPLITS>
+template <int D, int WARPS, int SPLITS, int KW>
 static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
                         int n_head, int n_head_kv, float *out) {
     qc_cuda *cu = qc_cuda_of(be);
-    using L = qc_fa_smem<D, WARPS>;
+    using L = qc_fa_smem<D, WARPS, KW>;
     const int64_t rows = (int64_t)n * (n_head / n_head_kv);
     const int64_t n_rt = (rows + L::R - 1) / L::R;
     if (n_rt > INT32_MAX || n_head_kv > 65535)
         return qc_cuda_value_error(be, "attention: %lld rows per KV head is too many", (long long)rows);
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const dim3 grid((unsigned)n_rt, (unsigned)n_head_kv, SPLITS);
-    qc_flash_attention_kernel<D, WARPS, SPLITS><<<grid, 32 * WARPS, L::bytes, cu->stream>>>(
+    qc_flash_attention_kernel<D, WARPS, SPLITS, KW><<<grid, L::THREADS, L::bytes, cu->stream>>>(
         q, (const __half *)cache.k, (const __half *)cache.v, pos, n, n_head, n_head_kv, scale_log2, out,
         cu->attn_part, cu->attn_done);
     return QC_LAUNCHED(be, "qc_flash_attention_kernel");
@@ -355,17 +418,17 @@ static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const
 
 /* More than 48 KiB of dynamic shared memory must be allowed per kernel, once, outside any graph
  * capture: at backend creation. */
-template <int D, int WARPS, int SPLITS>
+template <int D, int WARPS, int SPLITS, int KW>
 static int allow_smem(qc_backend *be) {
-    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS, SPLITS>,
+    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS, SPLITS, KW>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)qc_fa_smem<D, WARPS>::bytes));
+                                            (int)qc_fa_smem<D, WARPS, KW>::bytes));
 }
 
 int qc_cuda_flash_attention_init(qc_backend *be) {
-    if (allow_smem<64, QC_FA_PREFILL_WARPS, 1>(be) < 0 || allow_smem<128, QC_FA_PREFILL_WARPS, 1>(be) < 0 ||
-        allow_smem<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS>(be) < 0 ||
-        allow_smem<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS>(be) < 0)
+    if (allow_smem<64, QC_FA_PREFILL_WARPS, 1, 1>(be) < 0 || allow_smem<128, QC_FA_PREFILL_WARPS, 1, 1>(be) < 0 ||
+        allow_smem<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64)>(be) < 0 ||
+        allow_smem<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128)>(be) < 0)
         return -1;
     return 0;
 }
@@ -389,8 +452,9 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
     if (head_dim != 64 && head_dim != 128)
         return qc_cuda_value_error(be, "flash attention: head_dim %d is not 64 or 128", head_dim);
     if (n <= QC_GEMV_MAX_TOKENS && decode_split_fits(n, n_head, n_head_kv, head_dim))
-        return head_dim == 64 ? launch_flash<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS>(be, q, cache, pos, n, n_head, n_head_kv, out)
-                              : launch_flash<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS>(be, q, cache, pos, n, n_head, n_head_kv, out);
-    return head_dim == 64 ? launch_flash<64, QC_FA_PREFILL_WARPS, 1>(be, q, cache, pos, n, n_head, n_head_kv, out)
-                          : launch_flash<128, QC_FA_PREFILL_WARPS, 1>(be, q, cache, pos, n, n_head, n_head_kv, out);
+        return head_dim == 64
+                   ? launch_flash<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64)>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                   : launch_flash<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128)>(be, q, cache, pos, n, n_head, n_head_kv, out);
+    return head_dim == 64 ? launch_flash<64, QC_FA_PREFILL_WARPS, 1, 1>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                          : launch_flash<128, QC_FA_PREFILL_WARPS, 1, 1>(be, q, cache, pos, n, n_head, n_head_kv, out);
 }

@@ -39,8 +39,9 @@ typedef struct qc_cuda {
     /* one counter per (token, head) of a split-K attention launch: the splits that finished;
      * zero between launches (the last split resets it). Zeroed at creation. */
     unsigned int *attn_done;
-    /* decode steps over an F16 cache run the flash kernel split over the keys (1), or the fp32
-     * split-K kernel reading f16 (0: QWENCUDA_DECODE_ATTENTION=split at creation, to compare) */
+    /* decode steps over an F16 cache past QC_KV_SHORT keys run the flash kernel split over the
+     * keys (1), or always the fp32 split-K kernel reading f16 (0: QWENCUDA_DECODE_ATTENTION=split
+     * at creation, to compare) */
     int flash_decode;
 } qc_cuda;
 

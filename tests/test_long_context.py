@@ -230,10 +230,13 @@ def test_long_capture_of_every_probability_is_refused_not_killed(paths, device):
 # ---- the attention op on NumPy inputs (every path of both backends) --------------------------
 
 @pytest.mark.parametrize("n_head,n_head_kv,hd", [(7, 1, 64), (14, 2, 64), (4, 4, 128), (8, 2, 128)])
-@pytest.mark.parametrize("n,start", [(1, 0), (1, 700), (5, 300), (8, 64), (9, 0), (100, 37), (300, 0)])
+@pytest.mark.parametrize("n,start", [(1, 0), (1, 700), (5, 300), (8, 64), (1, 5000), (6, 3100), (9, 0),
+                                     (100, 37), (300, 0)])
 def test_attention_f16_cache_against_numpy(device, n_head, n_head_kv, hd, n, start):
-    """kernels.attention with float16 caches: on CUDA the flash kernels (decode split over the
-    keys for n <= 8, prefill tiles above), on the CPU the exact path over the rounded cache.
+    """kernels.attention with float16 caches: on CUDA the flash kernels (prefill tiles for n > 8;
+    for n <= 8 past QC_KV_SHORT = 3072 keys the decode kernel, its key tiles over split blocks of
+    several warps; below it the split-K kernel reading f16), on the CPU the exact path over the
+    rounded cache.
     Against float64 NumPy attention over the same f16 cache values: the CPU within 1e-5; CUDA
     within 4e-3 relative to the output's scale (q and the probabilities are rounded to f16 on
     the tensor cores: 2^-11 each, accumulated in fp32)."""
@@ -283,19 +286,21 @@ def test_kv_store_rounds_to_f16_like_numpy(device):
 # ---- the flash path in whole models (CUDA) -------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n_prompt", [700, 3300])
 @pytest.mark.parametrize("config", sorted(LONG_CONFIGS))
-def test_flash_prefill_and_decode_match_the_exact_path(paths, config):
+def test_flash_prefill_and_decode_match_the_exact_path(paths, config, n_prompt):
     """CUDA with an F16 cache runs flash attention in prefill (chunks of 256 here, so later chunks
     attend to earlier ones) and the split decode kernel in replayed steps; the same model with an
     F16 cache on the CPU's float32 reference kernels runs the exact path over the same rounded
     cache. Measured on an H100: 1.8e-3 .. 4.8e-3 of the logits' scale in prefill (the prefill
     GEMMs' f16 activations included: 1.3e-3 with F32 caches on both), 1.2e-3 in decode; asserted
-    below 1e-2, argmax equal where clear."""
-    ids = ids_for(700)
+    below 1e-2, argmax equal where clear. After 3300 tokens the decode steps take the flash decode
+    kernel (past QC_KV_SHORT keys), after 700 the split-K kernel."""
+    ids = ids_for(n_prompt)
     out = {}
     for device in ("cpu:float", "cuda"):
         with qc.Model(paths(config), device=device) as m:
-            s = m.session(max_context=720, kv_type="f16", prefill_chunk=256)
+            s = m.session(max_context=n_prompt + 8, kv_type="f16", prefill_chunk=256 if n_prompt < 1000 else 1024)
             tr = s.prefill(ids, logits="all")
             steps = [s.step(t).logits[0] for t in ids[:5]]
             out[device] = (tr.logits, np.array(steps))
