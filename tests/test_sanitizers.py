@@ -111,7 +111,10 @@ def sanitized_build(tmp_path_factory):
 
 def test_sanitizers_report_nothing_on_the_c_subset(sanitized_build, tmp_path):
     site, libasan = sanitized_build
-    env = dict(os.environ, PYTHONPATH=site, LD_PRELOAD=libasan,
+    # the sanitized module first; then whatever the caller's PYTHONPATH held (gguf, where it is
+    # not installed in the interpreter itself)
+    path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, LD_PRELOAD=libasan,
                # Python itself is not instrumented and keeps memory until exit: no leak report
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=86",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
