@@ -110,11 +110,13 @@ MUTANTS = {
 }
 
 # The default subset, strongest and fastest first: the outside oracle on the real model (the
-# C engine only: the reference is not mutated), the parameter-seeing kernel tests, the sampler's
+# C engine only, with its fast kernels and with its float32 reference ops: the NumPy reference is
+# not mutated), the parameter-seeing kernel tests, the sampler's
 # kept sets, the engine against the reference on two synthetic shapes, the session.
 DEFAULT_TESTS = [
-    *(f"tests/test_llamacpp_layers.py::{t}[cpu-{c}]" for t in ("test_layers_match_llamacpp",
-      "test_logits_match_llamacpp") for c in ("fibonacci", "france", "haiku-chat")),
+    *(f"tests/test_llamacpp_layers.py::{t}[{d}-{c}]" for d in ("cpu", "cpu:float")
+      for t in ("test_layers_match_llamacpp", "test_logits_match_llamacpp")
+      for c in ("fibonacci", "france", "haiku-chat")),
     "tests/test_kernel_params.py",
     "tests/test_sampler_filters.py",
     "tests/test_engine_vs_reference.py::test_every_capture_matches_reference",

@@ -11,7 +11,8 @@ Kcur-0, Vcur-0, kq_soft_max-0 -> blk.0.attn_probs, kqv_out-0 -> blk.0.attn_out,
 ffn_inp-0 -> blk.0.resid_mid, ffn_out-0, l_out-0 -> blk.0.resid_out, kq_soft_max-23, ffn_out-23,
 result_norm -> output_norm.
 
-Each engine (the NumPy reference, the C CPU engine, the CUDA engine) runs the same token ids and
+Each engine (the NumPy reference, the C CPU engine with its fast 8-bit kernels ("cpu") and with
+its float32 reference ops ("cpu:float"), the CUDA engine) runs the same token ids and
 is compared capture by capture. Measure: per token row, ||ours - llama.cpp|| / ||llama.cpp||, the
 largest over the rows (so that a bug that shows only from position 1 on, like RoPE's, is not
 averaged away); attn_probs: the largest absolute difference; logits: the largest absolute
@@ -115,7 +116,7 @@ def cpu_model(real_model_path):
 _TRACES = {}
 
 
-@pytest.fixture(params=["reference", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["reference", "cpu", "cpu:float", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request, real_model_path):
     """A function case -> Trace of that engine (captures and all logits), each computed once."""
     which = request.param
@@ -125,10 +126,8 @@ def engine(request, real_model_path):
         ref = request.getfixturevalue("real_reference")
         run = lambda ids: qc.reference.forward(ref, ids, capture=list(TOL), logits="all")  # noqa: E731
     else:
-        if which == "cpu":
-            m = request.getfixturevalue("cpu_model")
-        else:
-            m = request.getfixturevalue("cuda_model")
+        m = request.getfixturevalue({"cpu": "cpu_model", "cpu:float": "cpu_float_model",
+                                     "cuda": "cuda_model"}[which])
         run = lambda ids: m.forward(ids, capture=list(TOL), logits="all")  # noqa: E731
 
     def trace(case):
@@ -138,6 +137,13 @@ def engine(request, real_model_path):
         return _TRACES[key]
     trace.name = which
     return trace
+
+
+@pytest.fixture(scope="module")
+def cpu_float_model(real_model_path):
+    """The CPU engine's float32 reference ops (cpu_ops.c) instead of its 8-bit fast kernels."""
+    with qc.Model(real_model_path, device="cpu:float") as m:
+        yield m
 
 
 @pytest.fixture(scope="module")
