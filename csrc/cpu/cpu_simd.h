@@ -74,7 +74,8 @@ const qc_simd_kernels *qc_simd_get(void);
  * (float32 reference)": what the default CPU backend runs on this machine. */
 const char *qc_simd_describe(void);
 
-/* The x86-64 kernels (simd_avx2.c); NULL where the compiler cannot build them. */
+/* The x86-64 kernels (simd_avx2.c); NULL where the compiler cannot build them. Call only where
+ * the CPU has AVX2, FMA and F16C, and once (it fills their fp16 table): qc_simd_get does. */
 const qc_simd_kernels *qc_simd_avx2_kernels(void);
 
 /* Portable C quantization, the specification of the SIMD one (bit-identical). */
