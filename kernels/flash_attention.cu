@@ -71,6 +71,26 @@ __device__ __forceinline__ uint32_t qc_pack_half2(float lo, float hi) {
 
 /* ---- the kernel ------------------------------------------------------------------------- */
 
+/* A warp's partial softmax state of its two fragment rows ra and rb: row r at base + r * (D + 2)
+ * holds (m, l, O[D]); each lane writes the O columns it holds (2c, 2c + 1 of every 8). */
+template <int D>
+__device__ __forceinline__ void qc_fa_put_rows(float *base, int ra, int rb, int c, float m_a, float m_b,
+                                               float l_a, float l_b, const float (&o)[D / 8][4]) {
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float *p = base + (int64_t)(half ? rb : ra) * (D + 2);
+        if (c == 0) {
+            p[0] = half ? m_b : m_a;
+            p[1] = half ? l_b : l_a;
+        }
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++) {
+            p[2 + dt * 8 + 2 * c] = o[dt][2 * half];
+            p[2 + dt * 8 + 2 * c + 1] = o[dt][2 * half + 1];
+        }
+    }
+}
+
 /* Shared memory: Q (R rows), then per key warp two buffers of K and two of V (QC_FA_BC rows
  * each), every row D + 8 halves: the padding puts the 8 rows an mma fragment reads in 8
  * different bank groups. WARPS warps take 16 rows each (R = 16 * WARPS); KW warps walk the keys
@@ -265,20 +285,7 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     if constexpr (KW > 1) {
         /* the key warps' (m, l, O) into key warp 0's registers: each warp leaves its rows in its
          * own (now idle) K buffer, [16][D + 2] floats, at the fragment positions it holds */
-        float *mine_s = reinterpret_cast<float *>(Ks);
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            float *p = mine_s + (half ? rb : ra) * (D + 2);
-            if (c == 0) {
-                p[0] = half ? m_b : m_a;
-                p[1] = half ? l_b : l_a;
-            }
-#pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                p[2 + dt * 8 + 2 * c] = o[dt][2 * half];
-                p[2 + dt * 8 + 2 * c + 1] = o[dt][2 * half + 1];
-            }
-        }
+        qc_fa_put_rows<D>(reinterpret_cast<float *>(Ks), ra, rb, c, m_a, m_b, l_a, l_b, o);
         __syncthreads();
         if (kw == 0) {
 #pragma unroll
@@ -327,20 +334,9 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
         /* split: publish (m, l, O) of both rows (key warp 0 holds the block's), count the
          * split; the last block merges */
         const int64_t pair = (int64_t)kvh * n_rt + rt;
-        float *mine = part + (pair * splits + split) * (int64_t)R * (D + 2);
-#pragma unroll
-        for (int half = 0; half < 2 && kw == 0; half++) {
-            float *p = mine + (int64_t)(half ? rb : ra) * (D + 2);
-            if (c == 0) {
-                p[0] = half ? m_b : m_a;
-                p[1] = half ? l_b : l_a;
-            }
-#pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                p[2 + dt * 8 + 2 * c] = o[dt][2 * half];
-                p[2 + dt * 8 + 2 * c + 1] = o[dt][2 * half + 1];
-            }
-        }
+        if (kw == 0)
+            qc_fa_put_rows<D>(part + (pair * splits + split) * (int64_t)R * (D + 2), ra, rb, c, m_a, m_b,
+                              l_a, l_b, o);
         __threadfence();
         __syncthreads();
         if (tid == 0) {

@@ -169,7 +169,8 @@ if has_step sanitizer && [ "$build_status" != FAILED ]; then
         (cd /tmp && "$PY" -c "from qwencuda import testing
 testing.write_model('$synth/tiny-q4_k_m-san.gguf', config='tiny', weight_type='q4_k_m')
 testing.write_model('$synth/tiny-hd128-f16-san.gguf', config='tiny-hd128', weight_type='f16')
-testing.write_model('$synth/gqa7-hd64-q8_0-san.gguf', config=dict(n_vocab=400, dim=448, n_layer=2, n_head=7, n_head_kv=1, ffn_dim=512), weight_type='q8_0')") >"$logdir/sanitizer.log" 2>&1
+testing.write_model('$synth/gqa7-hd64-q8_0-san.gguf', config=dict(n_vocab=400, dim=448, n_layer=2, n_head=7, n_head_kv=1, ffn_dim=512), weight_type='q8_0')
+testing.write_model('$synth/gqa7-hd64-f32-san.gguf', config=dict(n_vocab=400, dim=448, n_layer=2, n_head=7, n_head_kv=1, ffn_dim=512), weight_type='f32')") >"$logdir/sanitizer.log" 2>&1
         (cd /tmp && timeout 300 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 \
             "$PY" -c "
 import numpy as np, qwencuda as qc
@@ -192,7 +193,26 @@ for path in ['$synth/tiny-q4_k_m-san.gguf', '$synth/tiny-hd128-f16-san.gguf', '$
 print('sanitized run ok')
 ") >>"$logdir/sanitizer.log" 2>&1
         rc=$?
-        san_summary="$(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logdir/sanitizer.log" | tr '\n' ' ')(exit $rc)"
+        san_summary="memcheck: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logdir/sanitizer.log" | tr '\n' ' ')(exit $rc)"
+        # initcheck and racecheck on the attention paths: flash prefill over earlier chunks, the
+        # flash decode past QC_KV_SHORT keys (replayed), split-K decode, attention-row captures.
+        # F32 weights: initcheck does not see cuBLAS's f16 tensor-core stores (a blind spot:
+        # tests/test_cuda_prefill_writes.py checks those writes without the tool)
+        for tool in initcheck racecheck; do
+            (cd /tmp && timeout 400 compute-sanitizer --tool $tool --error-exitcode 9 "$PY" -c "
+import numpy as np, qwencuda as qc
+with qc.Model('$synth/gqa7-hd64-f32-san.gguf', device='cuda') as m, m.session(max_context=3300, prefill_chunk=1024) as s:
+    tr = s.prefill(np.arange(3100) % 399 + 1)
+    for _ in range(3):
+        tr = s.step(int(tr.argmax[-1]))
+    s.reset(); s.prefill(np.arange(1, 40), capture='blk.0.attn_probs', attn_rows=[-1])
+    tr = s.prefill([5]); s.step(int(tr.argmax[-1]))
+print('$tool run ok')
+") >"$logdir/sanitizer-$tool.log" 2>&1
+            rc=$?
+            san_summary="$san_summary; $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logdir/sanitizer-$tool.log" | tail -1) (exit $rc)"
+            cat "$logdir/sanitizer-$tool.log" >>"$logdir/sanitizer.log"
+        done
     else
         san_summary="compute-sanitizer not found"
     fi
@@ -208,7 +228,7 @@ fi
     echo "- build: $build_status"
     echo "- build_info: \`$info\`"
     echo "- tests: $test_summary"
-    echo "- sanitizer (memcheck, tiny models, prefill + decode, with and without capture): $san_summary"
+    echo "- sanitizer (tiny models, prefill + decode, with and without capture; memcheck on three weight types, initcheck and racecheck on F32 weights): $san_summary"
     echo
     echo "## Failures"
     echo
