@@ -4,6 +4,7 @@
  * block format (the backend's matmul reads them as they are). */
 #include "model.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -149,19 +150,39 @@ static int find_checked(const gguf_file *f, const char *name, int ndim, int64_t 
     return 0;
 }
 
-/* The tensors of one layer, blk.N.<suffix>. */
-static const char *const layer_suffixes[] = {
-    "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias",
-    "attn_k.bias", "attn_v.bias", "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight",
-    "ffn_up.weight", "ffn_down.weight",
+#define LT(suffix, field, kind, rows, cols) {suffix, offsetof(qc_layer, field), kind, rows, cols}
+const qc_layer_tensor qc_layer_tensors[] = {
+    LT("attn_norm.weight",   attn_norm, QC_LT_NORM,   QC_D_DIM, QC_D_NONE),
+    LT("attn_q.weight",      wq,        QC_LT_MATRIX, QC_D_Q,   QC_D_DIM),
+    LT("attn_k.weight",      wk,        QC_LT_MATRIX, QC_D_KV,  QC_D_DIM),
+    LT("attn_v.weight",      wv,        QC_LT_MATRIX, QC_D_KV,  QC_D_DIM),
+    LT("attn_q.bias",        bq,        QC_LT_BIAS,   QC_D_Q,   QC_D_NONE),
+    LT("attn_k.bias",        bk,        QC_LT_BIAS,   QC_D_KV,  QC_D_NONE),
+    LT("attn_v.bias",        bv,        QC_LT_BIAS,   QC_D_KV,  QC_D_NONE),
+    LT("attn_output.weight", wo,        QC_LT_MATRIX, QC_D_DIM, QC_D_Q),
+    LT("ffn_norm.weight",    ffn_norm,  QC_LT_NORM,   QC_D_DIM, QC_D_NONE),
+    LT("ffn_gate.weight",    w_gate,    QC_LT_MATRIX, QC_D_FFN, QC_D_DIM),
+    LT("ffn_up.weight",      w_up,      QC_LT_MATRIX, QC_D_FFN, QC_D_DIM),
+    LT("ffn_down.weight",    w_down,    QC_LT_MATRIX, QC_D_DIM, QC_D_FFN),
 };
+#undef LT
+const size_t qc_n_layer_tensors = sizeof qc_layer_tensors / sizeof qc_layer_tensors[0];
+
+int64_t qc_dim_value(const qc_config *c, qc_dim_id d) {
+    switch (d) {
+    case QC_D_DIM: return c->dim;
+    case QC_D_Q: return c->n_head * c->head_dim;
+    case QC_D_KV: return c->n_head_kv * c->head_dim;
+    case QC_D_FFN: return c->ffn_dim;
+    default: return 0;
+    }
+}
 
 /* Every tensor the forward pass reads, checked before any allocation; and no layer tensor
  * beyond block_count (a lowered block_count would otherwise run fewer layers silently). */
 static int check_tensors(const gguf_file *f, const qc_config *c, qc_error *err) {
     const gguf_tensor *t;
     char name[96];
-    const int64_t q_dim = c->n_head * c->head_dim, kv_dim = c->n_head_kv * c->head_dim;
     /* Every tensor of the file must be one the model reads, as llama.cpp demands: a renamed
      * output.weight would otherwise make the model tied without a word. */
     for (uint64_t i = 0; i < f->n_tensors; i++) {
@@ -180,8 +201,8 @@ static int check_tensors(const gguf_file *f, const qc_config *c, qc_error *err) 
         if (end != NULL && end != nm + 4 && *end == '.' && nm[4] >= '0' && nm[4] <= '9') {
             snprintf(name, sizeof name, "blk.%lld.", layer);
             const size_t pre = strlen(name);
-            for (size_t k = 0; k < sizeof layer_suffixes / sizeof layer_suffixes[0] && !known; k++)
-                known = strncmp(nm, name, pre) == 0 && strcmp(nm + pre, layer_suffixes[k]) == 0;
+            for (size_t k = 0; k < qc_n_layer_tensors && !known; k++)
+                known = strncmp(nm, name, pre) == 0 && strcmp(nm + pre, qc_layer_tensors[k].suffix) == 0;
         }
         if (!known) {
             char q[96];
@@ -202,23 +223,13 @@ static int check_tensors(const gguf_file *f, const qc_config *c, qc_error *err) 
         return -1;
     if (!c->tied && find_checked(f, "output.weight", 2, c->n_vocab, c->dim, &t, err) < 0) return -1;
     for (int64_t l = 0; l < c->n_layer; l++) {
-        const struct { const char *suffix; int ndim; int64_t d0, d1; } want[] = {
-            {"attn_norm.weight", 1, c->dim, 0},
-            {"attn_q.weight", 2, q_dim, c->dim},
-            {"attn_k.weight", 2, kv_dim, c->dim},
-            {"attn_v.weight", 2, kv_dim, c->dim},
-            {"attn_q.bias", 1, q_dim, 0},
-            {"attn_k.bias", 1, kv_dim, 0},
-            {"attn_v.bias", 1, kv_dim, 0},
-            {"attn_output.weight", 2, c->dim, q_dim},
-            {"ffn_norm.weight", 1, c->dim, 0},
-            {"ffn_gate.weight", 2, c->ffn_dim, c->dim},
-            {"ffn_up.weight", 2, c->ffn_dim, c->dim},
-            {"ffn_down.weight", 2, c->dim, c->ffn_dim},
-        };
-        for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
-            snprintf(name, sizeof name, "blk.%lld.%s", (long long)l, want[i].suffix);
-            if (find_checked(f, name, want[i].ndim, want[i].d0, want[i].d1, &t, err) < 0) return -1;
+        for (size_t i = 0; i < qc_n_layer_tensors; i++) {
+            const qc_layer_tensor *lt = &qc_layer_tensors[i];
+            const int ndim = lt->kind == QC_LT_MATRIX ? 2 : 1;
+            snprintf(name, sizeof name, "blk.%lld.%s", (long long)l, lt->suffix);
+            if (find_checked(f, name, ndim, qc_dim_value(c, lt->rows), qc_dim_value(c, lt->cols),
+                             &t, err) < 0)
+                return -1;
         }
     }
     return 0;
@@ -269,11 +280,6 @@ fail:
     return -1;
 }
 
-static const char *layer_name(char *buf, size_t size, int64_t layer, const char *suffix) {
-    snprintf(buf, size, "blk.%lld.%s", (long long)layer, suffix);
-    return buf;
-}
-
 int qc_model_load(const char *path, const char *device, int threads, qc_model **out, qc_error *err) {
     qc_model *m = NULL;
     const qc_config *c = NULL;
@@ -303,20 +309,14 @@ int qc_model_load(const char *path, const char *device, int threads, qc_model **
         goto fail;
     }
     for (int64_t l = 0; l < c->n_layer; l++) {
-        qc_layer *L = &m->layers[l];
-        if (load_vector(m, layer_name(nm, sizeof nm, l, "attn_norm.weight"), &L->attn_norm, err) < 0 ||
-            load_matrix(m, layer_name(nm, sizeof nm, l, "attn_q.weight"), &L->wq, err) < 0 ||
-            load_matrix(m, layer_name(nm, sizeof nm, l, "attn_k.weight"), &L->wk, err) < 0 ||
-            load_matrix(m, layer_name(nm, sizeof nm, l, "attn_v.weight"), &L->wv, err) < 0 ||
-            load_vector(m, layer_name(nm, sizeof nm, l, "attn_q.bias"), &L->bq, err) < 0 ||
-            load_vector(m, layer_name(nm, sizeof nm, l, "attn_k.bias"), &L->bk, err) < 0 ||
-            load_vector(m, layer_name(nm, sizeof nm, l, "attn_v.bias"), &L->bv, err) < 0 ||
-            load_matrix(m, layer_name(nm, sizeof nm, l, "attn_output.weight"), &L->wo, err) < 0 ||
-            load_vector(m, layer_name(nm, sizeof nm, l, "ffn_norm.weight"), &L->ffn_norm, err) < 0 ||
-            load_matrix(m, layer_name(nm, sizeof nm, l, "ffn_gate.weight"), &L->w_gate, err) < 0 ||
-            load_matrix(m, layer_name(nm, sizeof nm, l, "ffn_up.weight"), &L->w_up, err) < 0 ||
-            load_matrix(m, layer_name(nm, sizeof nm, l, "ffn_down.weight"), &L->w_down, err) < 0)
-            goto fail;
+        char *L = (char *)&m->layers[l];
+        for (size_t i = 0; i < qc_n_layer_tensors; i++) {
+            const qc_layer_tensor *lt = &qc_layer_tensors[i];
+            snprintf(nm, sizeof nm, "blk.%lld.%s", (long long)l, lt->suffix);
+            if (lt->kind == QC_LT_MATRIX ? load_matrix(m, nm, (qc_weight *)(L + lt->offset), err) < 0
+                                         : load_vector(m, nm, (float **)(L + lt->offset), err) < 0)
+                goto fail;
+        }
     }
     *out = m;
     return 0;
@@ -341,19 +341,12 @@ void qc_model_free(qc_model *m) {
     if (be) {
         if (m->layers) {
             for (int64_t l = 0; l < m->cfg.n_layer; l++) {
-                qc_layer *L = &m->layers[l];
-                vector_free(be, &L->attn_norm);
-                weight_free(be, &L->wq);
-                weight_free(be, &L->wk);
-                weight_free(be, &L->wv);
-                vector_free(be, &L->bq);
-                vector_free(be, &L->bk);
-                vector_free(be, &L->bv);
-                weight_free(be, &L->wo);
-                vector_free(be, &L->ffn_norm);
-                weight_free(be, &L->w_gate);
-                weight_free(be, &L->w_up);
-                weight_free(be, &L->w_down);
+                char *L = (char *)&m->layers[l];
+                for (size_t i = qc_n_layer_tensors; i-- > 0;) {   /* reverse of load order */
+                    const qc_layer_tensor *lt = &qc_layer_tensors[i];
+                    if (lt->kind == QC_LT_MATRIX) weight_free(be, (qc_weight *)(L + lt->offset));
+                    else vector_free(be, (float **)(L + lt->offset));
+                }
             }
         }
         /* A tied lm_head shares the embedding's memory: free that memory once. */

@@ -38,6 +38,25 @@ typedef struct qc_layer {
     qc_weight w_down;         /* (dim, ffn_dim) */
 } qc_layer;
 
+/* The tensors of one layer, blk.L.<suffix>, in file order: this one table drives the checks
+ * (presence, shape, type), the loading, the freeing and Model.tensor_types(). A shape is given
+ * in NumPy order (rows, cols) as multiples of config dimensions. */
+typedef enum { QC_LT_MATRIX, QC_LT_NORM, QC_LT_BIAS } qc_layer_tensor_kind;  /* qc_weight | float* | float* */
+typedef enum { QC_D_NONE, QC_D_DIM, QC_D_Q, QC_D_KV, QC_D_FFN } qc_dim_id;  /* -, dim, n_head*hd, n_head_kv*hd, ffn */
+
+typedef struct qc_layer_tensor {
+    const char *suffix;       /* "attn_q.weight" */
+    size_t offset;            /* offsetof(qc_layer, field) */
+    qc_layer_tensor_kind kind;
+    qc_dim_id rows, cols;     /* vectors: (rows,), cols QC_D_NONE */
+} qc_layer_tensor;
+
+extern const qc_layer_tensor qc_layer_tensors[];
+extern const size_t qc_n_layer_tensors;
+
+/* The value of a shape entry under config c (0 for QC_D_NONE). */
+int64_t qc_dim_value(const qc_config *c, qc_dim_id d);
+
 typedef struct qc_model {
     gguf_file *file;          /* owns the mapping the weights point into */
     qc_config cfg;

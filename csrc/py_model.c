@@ -630,16 +630,12 @@ static PyObject *Model_tensor_types(ModelObject *mo, PyObject *noargs) {
         add_type(d, m->cfg.tied ? "output (token_embd.weight, tied)" : "output.weight", m->output.type) < 0)
         goto fail;
     for (int64_t l = 0; l < m->cfg.n_layer; l++) {
-        const qc_layer *L = &m->layers[l];
-        const struct { const char *suffix; uint32_t type; } w[] = {
-            {"attn_q.weight", L->wq.type}, {"attn_k.weight", L->wk.type},
-            {"attn_v.weight", L->wv.type}, {"attn_output.weight", L->wo.type},
-            {"ffn_gate.weight", L->w_gate.type}, {"ffn_up.weight", L->w_up.type},
-            {"ffn_down.weight", L->w_down.type},
-        };
-        for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) {
-            snprintf(name, sizeof name, "blk.%lld.%s", (long long)l, w[i].suffix);
-            if (add_type(d, name, w[i].type) < 0) goto fail;
+        const char *L = (const char *)&m->layers[l];
+        for (size_t i = 0; i < qc_n_layer_tensors; i++) {
+            const qc_layer_tensor *lt = &qc_layer_tensors[i];
+            if (lt->kind != QC_LT_MATRIX) continue;
+            snprintf(name, sizeof name, "blk.%lld.%s", (long long)l, lt->suffix);
+            if (add_type(d, name, ((const qc_weight *)(L + lt->offset))->type) < 0) goto fail;
         }
     }
     return d;
