@@ -24,6 +24,15 @@
 #define QC_AVX2 __attribute__((target("avx2,fma,f16c")))
 /* always_inline: a kernel is specialised for each constant token count (1..4) */
 #define QC_AVX2_INLINE static inline __attribute__((target("avx2,fma,f16c"), always_inline))
+/* The loops over a call's tokens (nt <= 8, a constant in each specialisation) unrolled early,
+ * so that gcc keeps the accumulators acc[t] in registers: left to its later complete unrolling
+ * it also stored every accumulator to the stack at every block (one Zen 3 core, best of 6:
+ * Q5_0 prefill 21.9 -> 23.7, Q8_0 27.9 -> 31.9 GMAC/s). */
+#if defined(__clang__)
+#define QC_TOKENS _Pragma("unroll")
+#else
+#define QC_TOKENS _Pragma("GCC unroll 8")
+#endif
 
 QC_AVX2_INLINE float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -159,20 +168,20 @@ QC_AVX2 static void quantize_avx2(const float *x, int64_t n, qc_q8_block *out) {
 QC_AVX2_INLINE void q8_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
     __m256 acc[QC_Q8_MAX_TOKENS];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q8_0);
         if (nt == 1) prefetch_ahead(wb, 1);
         const __m256 dw = half_bcast(FIELD(wb, qc_block_q8_0, d));
         const __m256i q = load32(FIELD(wb, qc_block_q8_0, qs));
         const __m256i uq = _mm256_sign_epi8(q, q);
-        for (int t = 0; t < nt; t++) {
+        QC_TOKENS for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
             const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
 }
 QC_DISPATCH(q8_0)
 
@@ -180,20 +189,20 @@ QC_DISPATCH(q8_0)
 QC_AVX2_INLINE void q4_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
     __m256 acc[QC_Q8_MAX_TOKENS];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q4_0);
         if (nt == 1) prefetch_ahead(wb, 1);
         const __m256 dw = half_bcast(FIELD(wb, qc_block_q4_0, d));
         const __m256i q = _mm256_sub_epi8(nibbles32(FIELD(wb, qc_block_q4_0, qs)), _mm256_set1_epi8(8));
         const __m256i uq = _mm256_sign_epi8(q, q);
-        for (int t = 0; t < nt; t++) {
+        QC_TOKENS for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
             const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
 }
 QC_DISPATCH(q4_0)
 
@@ -202,7 +211,7 @@ QC_DISPATCH(q4_0)
 QC_AVX2_INLINE void q5_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
     __m256 acc[QC_Q8_MAX_TOKENS];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q5_0);
         if (nt == 1) prefetch_ahead(wb, 1);
@@ -210,13 +219,13 @@ QC_AVX2_INLINE void q5_0_rows(const void *row, const qc_q8_block *x, int64_t xs,
         const __m256i hi = _mm256_andnot_si256(bits32(FIELD(wb, qc_block_q5_0, qh)), _mm256_set1_epi8((char)0xf0));
         const __m256i q = _mm256_or_si256(nibbles32(FIELD(wb, qc_block_q5_0, qs)), hi);
         const __m256i uq = _mm256_sign_epi8(q, q);
-        for (int t = 0; t < nt; t++) {
+        QC_TOKENS for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
             const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
 }
 QC_DISPATCH(q5_0)
 
@@ -240,7 +249,7 @@ QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
                               int64_t nb, float *out) {
     __m256 acc[QC_Q8_MAX_TOKENS];
     float mins[QC_Q8_MAX_TOKENS];
-    for (int t = 0; t < nt; t++) {
+    QC_TOKENS for (int t = 0; t < nt; t++) {
         acc[t] = _mm256_setzero_ps();
         mins[t] = 0.0f;
     }
@@ -256,7 +265,7 @@ QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
             const __m256 dlo = _mm256_set1_ps(d * (float)sc[2 * j]), dhi = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
             const float mlo = dmin * (float)m[2 * j], mhi = dmin * (float)m[2 * j + 1];
-            for (int t = 0; t < nt; t++) {
+            QC_TOKENS for (int t = 0; t < nt; t++) {
                 const qc_q8_block *xb = x + t * xs + sb * 8 + 2 * j;
                 const __m256i plo = dot_us(lo, load32(xb[0].qs));
                 const __m256i phi = dot_us(hi, load32(xb[1].qs));
@@ -267,7 +276,7 @@ QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
             }
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]) - mins[t];
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]) - mins[t];
 }
 QC_DISPATCH(q4_K)
 
@@ -281,7 +290,7 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
                               int64_t nb, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
     __m256 acc[QC_Q8_MAX_TOKENS];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const uint8_t *wb = (const uint8_t *)row + sb * (int64_t)sizeof(qc_block_q6_K);
         if (nt == 1) prefetch_ahead(wb, (int)sizeof(qc_block_q6_K));
@@ -305,7 +314,7 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
                 const __m256i uq = _mm256_sign_epi8(q, q);
                 const int8_t *sc = scales + 8 * h + 2 * k;
                 const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-                for (int t = 0; t < nt; t++) {
+                QC_TOKENS for (int t = 0; t < nt; t++) {
                     const qc_q8_block *xb = x + t * xs + sb * 8 + 4 * h + k;
                     const __m256i p16 = _mm256_maddubs_epi16(uq, _mm256_sign_epi8(load32(xb->qs), q));
                     const __m256i p = _mm256_madd_epi16(p16, scales);
@@ -314,7 +323,7 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
             }
         }
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
 }
 QC_DISPATCH(q6_K)
 
