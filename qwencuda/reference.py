@@ -13,10 +13,9 @@ with weights (q/k/v/o, gate/up/down, lm_head) are float32 NumPy (BLAS sgemm). RM
 the RoPE angles, sines and cosines and their application, and the whole attention (scores,
 softmax, probs @ V) are computed in float64 and stored as float32. SiLU is float32.
 
-Faults (FAULTS, FIRST_AFFECTED): faults=("name", ...) makes the reference reproduce a known
-engine bug, so that a dump from a broken engine can be matched against it (qwencuda.diagnose).
-Each fault changes only what its description says; FIRST_AFFECTED names the first capture, in
-forward order, whose values (or shape) it changes on a prompt of several tokens.
+Faults (FAULTS, FIRST_AFFECTED, from qwencuda/faults.py): faults=("name", ...) runs the forward
+pass on a FaultySession, whose steps reproduce known engine bugs, so that a dump from a broken
+engine can be matched against it (qwencuda.diagnose). This file holds only the correct maths.
 """
 from __future__ import annotations
 
@@ -27,43 +26,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["RefConfig", "RefModel", "RefSession", "FAULTS", "FIRST_AFFECTED", "load", "forward",
-           "forward_steps", "greedy", "capture_names", "clear_cache"]
+from .faults import FAULTS, FIRST_AFFECTED, Faults, check as _check_faults
 
-FAULTS = {
-    "transposed_weights": "every projection weight (attn_q/k/v/output, ffn_gate/up/down) read with "
-                          "the row/column-major mix-up: the (out, in) buffer taken as column-major, "
-                          "W_bug = W.reshape(in, out).T, which is exactly W.T for square weights",
-    "no_qkv_bias": "the q/k/v biases are never added",
-    "kv_pos_stuck": "the KV cache position never advances: every token uses RoPE position 0, is "
-                    "written at cache slot 0 and attends only to slot 0 (itself); attn_scores/"
-                    "attn_probs have one key column; shows from the second token on",
-    "rope_interleaved": "RoPE rotates GPT-J pairs (2i, 2i+1) instead of NEOX pairs (i, i + head_dim/2)",
-    "rope_base_1e4": "RoPE uses theta 10000 instead of the file's rope.freq_base",
-    "rmsnorm_eps_1e-5": "every RMSNorm uses eps 1e-5 instead of the file's layer_norm_rms_epsilon",
-    "rmsnorm_no_mean": "every RMSNorm divides by sqrt(sum of squares + eps) instead of "
-                       "sqrt(mean of squares + eps)",
-    "gqa_wrong_mapping": "query head h reads KV head h % n_head_kv instead of h // (n_head / "
-                         "n_head_kv) (no effect when n_head_kv is 1 or equals n_head)",
-    "lm_head_wrong_ld": "the lm_head read with the wrong leading dimension: its (n_vocab, dim) "
-                        "buffer reinterpreted as (dim, n_vocab) and transposed back",
-    "argmax_unwritten": "the lm_head writes only the regular tokens (ids below the first special or "
-                        "padding token); the rest of the logits row holds stale garbage larger "
-                        "than every written logit, so argmax picks unwritten memory",
-}
+__all__ = ["RefConfig", "RefModel", "RefSession", "FaultySession", "FAULTS", "FIRST_AFFECTED",
+           "load", "forward", "forward_steps", "greedy", "capture_names", "clear_cache"]
 
-FIRST_AFFECTED = {
-    "transposed_weights": "blk.0.q",
-    "no_qkv_bias": "blk.0.q",
-    "kv_pos_stuck": "blk.0.q_rope",
-    "rope_interleaved": "blk.0.q_rope",
-    "rope_base_1e4": "blk.0.q_rope",
-    "rmsnorm_eps_1e-5": "blk.0.attn_norm",
-    "rmsnorm_no_mean": "blk.0.attn_norm",
-    "gqa_wrong_mapping": "blk.0.attn_scores",
-    "lm_head_wrong_ld": "logits",
-    "argmax_unwritten": "logits",
-}
 
 def capture_names(n_layer: int) -> list[str]:
     """Every capture name in forward order: the engine's names (the reference's math is its own;
@@ -213,41 +180,35 @@ def clear_cache():
 
 
 # --------------------------------------------------------------------------------------------
-# Building blocks (each with its fault switches)
+# Building blocks
 
-def _rmsnorm(x, w, eps, no_mean=False):
+def _rmsnorm(x, w, eps):
     """x (n, dim) * w (dim,) / sqrt(mean(x^2) + eps); statistics in float64."""
     x64 = x.astype(np.float64)
-    ss = (x64 * x64).sum(-1, keepdims=True)
-    ms = ss if no_mean else ss / x.shape[-1]
+    ms = (x64 * x64).sum(-1, keepdims=True) / x.shape[-1]
     return (x64 / np.sqrt(ms + eps) * w.astype(np.float64)).astype(np.float32)
 
 
-def _rope(x, pos, theta, interleaved=False):
-    """x (n, heads, hd) rotated by position pos (n,) in float64. NEOX pairs (i, i + hd/2) with
-    angle pos * theta^(-2i/hd); interleaved: GPT-J pairs (2i, 2i+1) with the same angles."""
+def _rope(x, pos, theta):
+    """x (n, heads, hd) rotated by position pos (n,) in float64: NEOX pairs (i, i + hd/2) with
+    angle pos * theta^(-2i/hd)."""
     hd = x.shape[-1]
     half = hd // 2
     inv = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / hd)
     ang = np.asarray(pos, np.float64)[:, None] * inv[None, :]          # (n, half)
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]       # (n, 1, half)
     x = x.astype(np.float64)
+    a, b = x[..., :half], x[..., half:]
     out = np.empty_like(x)
-    if interleaved:
-        a, b = x[..., 0::2], x[..., 1::2]
-        out[..., 0::2] = a * cos - b * sin
-        out[..., 1::2] = a * sin + b * cos
-    else:
-        a, b = x[..., :half], x[..., half:]
-        out[..., :half] = a * cos - b * sin
-        out[..., half:] = a * sin + b * cos
+    out[..., :half] = a * cos - b * sin
+    out[..., half:] = a * sin + b * cos
     return out.astype(np.float32)
 
 
-def _as_column_major(w):
-    """The (out, in) buffer read as if it were column-major (out, in): reshape(in, out).T."""
-    out, inn = w.shape
-    return np.ascontiguousarray(w.reshape(inn, out).T)
+def _softmax(scores):
+    """Row softmax over the last axis (float64; -inf entries get probability 0)."""
+    e = np.exp(scores - scores.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
 def _silu(x):
@@ -291,14 +252,16 @@ def _selector(capture, n_layer):
 class RefSession:
     """Incremental forward with a KV cache, like qwencuda's Session: prefill(ids), step(token).
     Each call runs the tokens at positions position .. position + n - 1 and advances position.
-    With the kv_pos_stuck fault the session still counts position, but every token runs at
-    position 0 (the traces' positions are all 0) and overwrites cache slot 0."""
 
-    def __init__(self, model, faults=(), max_context=None):
+    The forward pass is a sequence of steps (methods _positions .. _logits), each the plain
+    maths; FaultySession (qwencuda/faults.py) overrides some of them to reproduce engine bugs."""
+
+    def __init__(self, model, max_context=None):
         self.model = _model(model)
-        self.faults = _check_faults(faults)
         c = self.model.config
         self.max_context = int(max_context or c.n_ctx_train or 4096)
+        self.eps = c.norm_eps               # RMSNorm epsilon
+        self.theta = c.rope_theta           # RoPE base
         self._k = [np.zeros((0, c.n_head_kv, c.head_dim), np.float32) for _ in range(c.n_layer)]
         self._v = [np.zeros((0, c.n_head_kv, c.head_dim), np.float32) for _ in range(c.n_layer)]
         self.position = 0
@@ -319,8 +282,102 @@ class RefSession:
     def step(self, token, capture=None):
         return self._run([int(token)], capture, "last")
 
+    # ---- the steps ------------------------------------------------------------------------
+
+    def _positions(self, n):
+        """(n,) positions of the next n tokens."""
+        return np.arange(self.position, self.position + n, dtype=np.int64)
+
+    def _rmsnorm(self, x, w):
+        return _rmsnorm(x, w, self.eps)
+
+    def _rope(self, x, pos):
+        return _rope(x, pos, self.theta)
+
+    def _matrix(self, name):
+        """A projection weight, (out, in)."""
+        return self.model.weights[name]
+
+    def _bias(self, name):
+        return self.model.weights[name]
+
+    def _kv_head(self):
+        """(n_head,): the KV head each query head reads, h // (n_head / n_head_kv)."""
+        c = self.model.config
+        return np.arange(c.n_head) // (c.n_head // c.n_head_kv)
+
+    def _attention(self, layer, q, k, v, pos):
+        """q (n, H, hd), k and v (n, Hkv, hd) of the new tokens at positions pos: appended to the
+        layer's KV cache, then each query attends to the keys at positions <= its own.
+        -> scores and probs (H, n, n_kv), ctx (n, H, hd), all float64."""
+        c = self.model.config
+        K = np.concatenate([self._k[layer], k], 0)                            # (n_kv, Hkv, hd)
+        V = np.concatenate([self._v[layer], v], 0)
+        self._k[layer], self._v[layer] = K, V
+        kv = self._kv_head()
+        Kh = K[:, kv, :].astype(np.float64)                                   # (n_kv, H, hd)
+        Vh = V[:, kv, :].astype(np.float64)
+        scores = np.einsum("nhd,thd->hnt", q.astype(np.float64), Kh) * (1.0 / math.sqrt(c.head_dim))
+        after = np.arange(len(K))[None, :] > pos[:, None]                    # key after query
+        scores = np.where(after[None], -np.inf, scores)
+        probs = _softmax(scores)
+        ctx = np.einsum("hnt,thd->nhd", probs, Vh)
+        return scores, probs, ctx
+
+    def _lm_head(self):
+        return self.model.lm_head
+
+    def _logits(self, lg):
+        """The logits rows as the lm_head wrote them."""
+        return lg
+
+    # ---- the forward pass -----------------------------------------------------------------
+
+    def _layer(self, L, x, pos, keep):
+        """Transformer block L on the residual stream x (n, dim) -> the new residual stream."""
+        c, w, p = self.model.config, self.model.weights, f"blk.{L}."
+        n = len(x)
+        # attention
+        h = self._rmsnorm(x, w[p + "attn_norm.weight"])
+        keep(p + "attn_norm", h)
+        q = _matmul(h, self._matrix(p + "attn_q.weight")) + self._bias(p + "attn_q.bias")
+        k = _matmul(h, self._matrix(p + "attn_k.weight")) + self._bias(p + "attn_k.bias")
+        v = _matmul(h, self._matrix(p + "attn_v.weight")) + self._bias(p + "attn_v.bias")
+        q = q.reshape(n, c.n_head, c.head_dim)
+        k = k.reshape(n, c.n_head_kv, c.head_dim)
+        v = v.reshape(n, c.n_head_kv, c.head_dim)
+        keep(p + "q", q)
+        keep(p + "k", k)
+        keep(p + "v", v)
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        keep(p + "q_rope", q)
+        keep(p + "k_rope", k)
+        scores, probs, ctx = self._attention(L, q, k, v, pos)
+        keep(p + "attn_scores", scores.astype(np.float32))
+        keep(p + "attn_probs", probs.astype(np.float32))
+        attn_out = ctx.reshape(n, c.n_head * c.head_dim).astype(np.float32)
+        keep(p + "attn_out", attn_out)
+        proj = _matmul(attn_out, self._matrix(p + "attn_output.weight"))
+        keep(p + "attn_proj", proj)
+        x = x + proj
+        keep(p + "resid_mid", x)
+        # feed-forward
+        h = self._rmsnorm(x, w[p + "ffn_norm.weight"])
+        keep(p + "ffn_norm", h)
+        gate = _matmul(h, self._matrix(p + "ffn_gate.weight"))
+        up = _matmul(h, self._matrix(p + "ffn_up.weight"))
+        keep(p + "gate", gate)
+        keep(p + "up", up)
+        act = _silu(gate) * up
+        keep(p + "ffn_act", act)
+        down = _matmul(act, self._matrix(p + "ffn_down.weight"))
+        keep(p + "ffn_out", down)
+        x = x + down
+        keep(p + "resid_out", x)
+        return x
+
     def _run(self, ids, capture, logits):
-        m, c, faults = self.model, self.model.config, self.faults
+        m, c = self.model, self.model.config
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = len(ids)
         if n == 0:
@@ -329,9 +386,8 @@ class RefSession:
             raise ValueError(f"token ids must lie in [0, {c.n_vocab})")
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
-        start = self.position
-        if start + n > self.max_context:
-            raise ValueError(f"{start + n} tokens exceed max_context {self.max_context}")
+        if self.position + n > self.max_context:
+            raise ValueError(f"{self.position + n} tokens exceed max_context {self.max_context}")
         want = _selector(capture, c.n_layer)
         out = {}
 
@@ -339,101 +395,16 @@ class RefSession:
             if name in want:
                 out[name] = np.array(value, copy=True)
 
-        stuck = "kv_pos_stuck" in faults
-        pos = np.zeros(n, np.int64) if stuck else np.arange(start, start + n, dtype=np.int64)
-        eps = 1e-5 if "rmsnorm_eps_1e-5" in faults else c.norm_eps
-        no_mean = "rmsnorm_no_mean" in faults
-        theta = 10000.0 if "rope_base_1e4" in faults else c.rope_theta
-        interleaved = "rope_interleaved" in faults
-        group = c.n_head // c.n_head_kv
-        heads = np.arange(c.n_head)
-        kv_of_head = heads % c.n_head_kv if "gqa_wrong_mapping" in faults else heads // group
-        scale = 1.0 / math.sqrt(c.head_dim)
-
-        def W(name):
-            w = m.weights[name]
-            return _as_column_major(w) if "transposed_weights" in faults else w
-
+        pos = self._positions(n)
         x = m.weights["token_embd.weight"][ids].astype(np.float32)       # (n, dim)
         keep("embed", x)
         for L in range(c.n_layer):
-            p = f"blk.{L}."
-            h = _rmsnorm(x, m.weights[p + "attn_norm.weight"], eps, no_mean)
-            keep(p + "attn_norm", h)
-            q, k, v = (_matmul(h, W(p + f"attn_{t}.weight")) for t in "qkv")
-            if "no_qkv_bias" not in faults:
-                q = q + m.weights[p + "attn_q.bias"]
-                k = k + m.weights[p + "attn_k.bias"]
-                v = v + m.weights[p + "attn_v.bias"]
-            q = q.reshape(n, c.n_head, c.head_dim)
-            k = k.reshape(n, c.n_head_kv, c.head_dim)
-            v = v.reshape(n, c.n_head_kv, c.head_dim)
-            keep(p + "q", q)
-            keep(p + "k", k)
-            keep(p + "v", v)
-            qr = _rope(q, pos, theta, interleaved)
-            kr = _rope(k, pos, theta, interleaved)
-            keep(p + "q_rope", qr)
-            keep(p + "k_rope", kr)
-
-            if stuck:
-                # every token alone at slot 0: it sees exactly its own key and value
-                kh = kr[:, kv_of_head, :].astype(np.float64)                 # (n, H, hd)
-                scores = np.einsum("nhd,nhd->hn", qr.astype(np.float64), kh)[:, :, None] * scale
-                probs = np.ones_like(scores)
-                ctx = v[:, kv_of_head, :].astype(np.float64)                  # (n, H, hd)
-                ck, cv = self._k[L], self._v[L]
-                if len(ck) == 0:
-                    ck = np.zeros((1, c.n_head_kv, c.head_dim), np.float32)
-                    cv = np.zeros_like(ck)
-                ck, cv = ck.copy(), cv.copy()
-                ck[0], cv[0] = kr[-1], v[-1]
-                self._k[L], self._v[L] = ck, cv
-            else:
-                K = np.concatenate([self._k[L], kr], 0)                       # (n_kv, Hkv, hd)
-                V = np.concatenate([self._v[L], v], 0)
-                self._k[L], self._v[L] = K, V
-                n_kv = len(K)
-                Kh = K[:, kv_of_head, :].astype(np.float64)                  # (n_kv, H, hd)
-                Vh = V[:, kv_of_head, :].astype(np.float64)
-                scores = np.einsum("nhd,thd->hnt", qr.astype(np.float64), Kh) * scale
-                mask = np.arange(n_kv)[None, :] > pos[:, None]               # key after query
-                scores = np.where(mask[None], -np.inf, scores)
-                mx = scores.max(-1, keepdims=True)
-                e = np.exp(scores - mx)
-                probs = e / e.sum(-1, keepdims=True)
-                ctx = np.einsum("hnt,thd->nhd", probs, Vh)
-            keep(p + "attn_scores", scores.astype(np.float32))
-            keep(p + "attn_probs", probs.astype(np.float32))
-            attn_out = ctx.reshape(n, c.n_head * c.head_dim).astype(np.float32)
-            keep(p + "attn_out", attn_out)
-            proj = _matmul(attn_out, W(p + "attn_output.weight"))
-            keep(p + "attn_proj", proj)
-            x = x + proj
-            keep(p + "resid_mid", x)
-            h = _rmsnorm(x, m.weights[p + "ffn_norm.weight"], eps, no_mean)
-            keep(p + "ffn_norm", h)
-            gate = _matmul(h, W(p + "ffn_gate.weight"))
-            up = _matmul(h, W(p + "ffn_up.weight"))
-            keep(p + "gate", gate)
-            keep(p + "up", up)
-            act = _silu(gate) * up
-            keep(p + "ffn_act", act)
-            down = _matmul(act, W(p + "ffn_down.weight"))
-            keep(p + "ffn_out", down)
-            x = x + down
-            keep(p + "resid_out", x)
-
-        self.position = start + n
-        h = _rmsnorm(x, m.weights["output_norm.weight"], eps, no_mean)
+            x = self._layer(L, x, pos, keep)
+        self.position += n
+        h = self._rmsnorm(x, m.weights["output_norm.weight"])
         keep("output_norm", h)
         rows = np.arange(n) if logits == "all" else np.array([n - 1])
-        head = m.lm_head
-        if "lm_head_wrong_ld" in faults:
-            head = _as_column_major(head)
-        lg = _matmul(h[rows], head).astype(np.float32)
-        if "argmax_unwritten" in faults:
-            lg = _unwritten(lg, m.n_written)
+        lg = self._logits(_matmul(h[rows], self._lm_head()).astype(np.float32))
         am = lg.argmax(-1).astype(np.int32)
         keep("logits", lg)
         keep("argmax", am)
@@ -441,25 +412,15 @@ class RefSession:
                            pos[rows].astype(np.int32))
 
 
-def _unwritten(logits, n_written):
-    """Columns >= n_written hold stale garbage above every written logit of the row."""
-    lg = logits.copy()
-    n_stale = lg.shape[1] - n_written
-    if n_stale <= 0:
-        return lg
-    garbage = np.random.default_rng(0x5EED).uniform(1.0, 5.0, n_stale).astype(np.float32)
-    lg[:, n_written:] = lg[:, :n_written].max(-1, keepdims=True) + garbage
-    return lg
+class FaultySession(Faults, RefSession):
+    """FaultySession(model, faults, max_context=None): a RefSession reproducing known engine bugs
+    (names of FAULTS; the steps they change are in qwencuda/faults.py)."""
 
 
-def _check_faults(faults):
-    if isinstance(faults, str):
-        faults = (faults,)
-    faults = tuple(faults or ())
-    for f in faults:
-        if f not in FAULTS:
-            raise ValueError(f"unknown fault {f!r}; known: {', '.join(FAULTS)}")
-    return frozenset(faults)
+def _session(model, faults=()):
+    """A RefSession, or a FaultySession when faults are named."""
+    faults = _check_faults(faults)
+    return FaultySession(model, faults) if faults else RefSession(model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,7 +432,7 @@ def forward(model, ids, capture="*", logits="all", faults=()):
     model: a RefModel, or a path / qwencuda.GGUFFile (loaded and cached, one at a time).
     capture: glob pattern(s) of capture names ("*" all, None nothing); logits: "all" or "last";
     faults: names of FAULTS to reproduce."""
-    return RefSession(model, faults).prefill(ids, capture=capture, logits=logits)
+    return _session(model, faults).prefill(ids, capture=capture, logits=logits)
 
 
 def forward_steps(model, ids, n_prefill, capture="*", faults=()):
@@ -480,7 +441,7 @@ def forward_steps(model, ids, n_prefill, capture="*", faults=()):
     ids = [int(t) for t in np.asarray(ids).reshape(-1)]
     if not 1 <= n_prefill <= len(ids):
         raise ValueError(f"n_prefill must lie in [1, {len(ids)}]")
-    s = RefSession(model, faults)
+    s = _session(model, faults)
     traces = [s.prefill(ids[:n_prefill], capture=capture, logits="last")]
     for t in ids[n_prefill:]:
         traces.append(s.step(t, capture=capture))
@@ -490,7 +451,7 @@ def forward_steps(model, ids, n_prefill, capture="*", faults=()):
 def greedy(model, ids, n_new, faults=(), stop=()):
     """Greedy decoding: prefill ids, then n_new argmax steps -> the new token ids (stops early
     after emitting a token in stop)."""
-    s = RefSession(model, faults)
+    s = _session(model, faults)
     tr = s.prefill(ids, capture=None, logits="last")
     out = []
     stop = set(int(t) for t in stop)
