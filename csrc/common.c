@@ -1,4 +1,4 @@
-/* common.c: error formatting and half-precision conversion. */
+/* common.c: error formatting and float -> half conversion. */
 #include "common.h"
 
 #include <math.h>
@@ -15,29 +15,6 @@ int qc_fail(qc_error *err, qc_errkind kind, const char *fmt, ...) {
         err->kind = kind;
     }
     return -1;
-}
-
-float qc_fp16_to_fp32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f;
-    uint32_t mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;                                   /* +-0 */
-        } else {                                           /* subnormal: renormalise */
-            int e = -1;
-            do { e++; mant <<= 1; } while (!(mant & 0x400));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13);          /* inf / nan */
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    union { uint32_t u; float f; } v;
-    v.u = bits;
-    return v.f;
 }
 
 uint16_t qc_fp32_to_fp16(float f) {

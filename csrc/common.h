@@ -49,14 +49,36 @@ static inline int qc_add_u64(uint64_t a, uint64_t b, uint64_t *out) {
     return 0;
 }
 
-/* IEEE half / bfloat16 to float, bit exact (no hardware half support needed). */
-float qc_fp16_to_fp32(uint16_t h);
-uint16_t qc_fp32_to_fp16(float f);
-static inline float qc_bf16_to_fp32(uint16_t h) {
+/* IEEE half / bfloat16 <-> float, bit exact (no hardware half support needed): the one
+ * converter pair of the C code (dequantize, the CPU backend's F16 KV cache, the benches). */
+static inline float qc_bits_to_fp32(uint32_t u) {
     union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
+    v.u = u;
     return v.f;
 }
+
+/* Half to float, equal to NumPy's for every value (NaNs keep their payload), written with masks
+ * instead of branches so that loops over it vectorise: normal numbers only need their exponent
+ * rebiased (127 - 15 = 112), subnormals are an integer times 2^-24 (exact in float), and
+ * exponent 31 maps to 255. */
+static inline float qc_fp16_to_fp32(uint16_t h) {
+    union { float f; uint32_t u; } sub;
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu;
+    const uint32_t sub_mask = 0u - (uint32_t)(em < 0x0400u);
+    const uint32_t special_mask = 0u - (uint32_t)(em >= 0x7c00u);
+    const uint32_t normal = (em << 13) + (112u << 23);
+    const uint32_t special = (em << 13) | 0x7f800000u;
+    sub.f = (float)(int32_t)em * (1.0f / 16777216.0f);   /* 2^-24 */
+    const uint32_t bits = (normal & ~(sub_mask | special_mask)) | (special & special_mask) |
+                          (sub.u & sub_mask);
+    return qc_bits_to_fp32(bits | sign);
+}
+
+/* Float to half, round to nearest even, like NumPy's float16 cast. */
+uint16_t qc_fp32_to_fp16(float f);
+
+static inline float qc_bf16_to_fp32(uint16_t h) { return qc_bits_to_fp32((uint32_t)h << 16); }
 
 #ifdef __cplusplus
 }

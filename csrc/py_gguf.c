@@ -272,9 +272,10 @@ static PyObject *map_dequantize(MapObject *self, PyObject *arg) {
     if (tensor_index(self, arg, &t) < 0) return NULL;
     const qc_type_traits *tr = qc_type_get(t->type);
     if (tr->dequantize == NULL) {
+        char names[256];
+        qc_supported_type_names(names, sizeof names);
         PyErr_Format(qc_GGUFError, "tensor '%s' has type %s (%u), which qwencuda cannot "
-                     "dequantize (it decodes F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K "
-                     "Q4_K Q5_K Q6_K)", t->name, tr->name, (unsigned)t->type);
+                     "dequantize (it decodes %s)", t->name, tr->name, (unsigned)t->type, names);
         return NULL;
     }
     npy_intp dims[GGUF_MAX_DIMS];

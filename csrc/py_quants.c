@@ -60,9 +60,10 @@ static int parse_type(PyObject *obj, uint32_t *out) {
 static const qc_type_traits *supported_traits(uint32_t t) {
     const qc_type_traits *tr = qc_type_get(t);
     if (tr->dequantize == NULL) {
-        PyErr_Format(PyExc_ValueError, "tensor type %s (%u) is not supported: qwencuda decodes "
-                     "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K",
-                     tr->name, (unsigned)t);
+        char names[256];
+        qc_supported_type_names(names, sizeof names);
+        PyErr_Format(PyExc_ValueError, "tensor type %s (%u) is not supported: qwencuda decodes %s",
+                     tr->name, (unsigned)t, names);
         return NULL;
     }
     return tr;

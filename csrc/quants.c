@@ -18,39 +18,8 @@
 #include "quants.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
-
-/* ---------------------------------------------------------------------------------------- */
-/* half / bfloat16 conversion                                                                */
-
-static inline float bits_to_float(uint32_t u) {
-    union { uint32_t u; float f; } v;
-    v.u = u;
-    return v.f;
-}
-
-static inline uint32_t float_to_bits(float f) {
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    return v.u;
-}
-
-/* IEEE half to float, bit-exact with qc_fp16_to_fp32 and NumPy for every finite value and
- * infinity (NaNs keep their payload), written with masks instead of branches so that loops over
- * it vectorise: normal numbers only need their exponent rebiased (127 - 15 = 112), subnormals
- * are an integer times 2^-24 (exact in float), and exponent 31 maps to 255. */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t em = h & 0x7fffu;
-    const uint32_t sub_mask = 0u - (uint32_t)(em < 0x0400u);
-    const uint32_t special_mask = 0u - (uint32_t)(em >= 0x7c00u);
-    const uint32_t normal = (em << 13) + (112u << 23);
-    const uint32_t special = (em << 13) | 0x7f800000u;
-    const uint32_t sub = float_to_bits((float)(int32_t)em * 0x1p-24f);
-    const uint32_t bits = (normal & ~(sub_mask | special_mask)) | (special & special_mask) |
-                          (sub & sub_mask);
-    return bits_to_float(bits | sign);
-}
 
 /* ---------------------------------------------------------------------------------------- */
 /* block unpacking shared by dequantize and dot                                               */
@@ -233,7 +202,7 @@ static void deq_f16(const void *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += 32) {
         QC_PREFETCH(s + i);
         const int64_t m = n - i < 32 ? n - i : 32;
-        for (int64_t j = i; j < i + m; j++) dst[j] = half_to_float(s[j]);
+        for (int64_t j = i; j < i + m; j++) dst[j] = qc_fp16_to_fp32(s[j]);
     }
 }
 
@@ -243,7 +212,7 @@ static void deq_bf16(const void *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += 32) {
         QC_PREFETCH(s + i);
         const int64_t m = n - i < 32 ? n - i : 32;
-        for (int64_t j = i; j < i + m; j++) dst[j] = bits_to_float((uint32_t)s[j] << 16);
+        for (int64_t j = i; j < i + m; j++) dst[j] = qc_bf16_to_fp32(s[j]);
     }
 }
 
@@ -260,7 +229,7 @@ static void deq_bf16(const void *src, float *dst, int64_t n) {
                 unpack;                                                                     \
             }                                                                               \
             for (int k = 0; k < nb; k++) {                                                  \
-                const float d = half_to_float(b[k].d);                                      \
+                const float d = qc_fp16_to_fp32(b[k].d);                                      \
                 float *o = dst + QC_QK * k;                                                 \
                 for (int l = 0; l < QC_QK; l++) o[l] = expr;                                \
             }                                                                               \
@@ -270,18 +239,18 @@ static void deq_bf16(const void *src, float *dst, int64_t n) {
 QC_DEQ_LEGACY(deq_q4_0, qc_block_q4_0, unpack_nibbles32(b[k].qs, q[k]),
               d * ((float)q[k][l] - 8.0f))
 QC_DEQ_LEGACY(deq_q4_1, qc_block_q4_1, unpack_nibbles32(b[k].qs, q[k]),
-              d * (float)q[k][l] + half_to_float(b[k].m))
+              d * (float)q[k][l] + qc_fp16_to_fp32(b[k].m))
 QC_DEQ_LEGACY(deq_q5_0, qc_block_q5_0, unpack_q5(b[k].qh, b[k].qs, q[k]),
               d * ((float)q[k][l] - 16.0f))
 QC_DEQ_LEGACY(deq_q5_1, qc_block_q5_1, unpack_q5(b[k].qh, b[k].qs, q[k]),
-              d * (float)q[k][l] + half_to_float(b[k].m))
+              d * (float)q[k][l] + qc_fp16_to_fp32(b[k].m))
 
 QC_CLONES
 static void deq_q8_0(const void *src, float *dst, int64_t n) {
     const qc_block_q8_0 *b = src;
     for (int64_t i = 0; i < n / QC_QK; i++, b++, dst += QC_QK) {
         QC_PREFETCH(b);
-        const float d = half_to_float(b->d);
+        const float d = qc_fp16_to_fp32(b->d);
         for (int l = 0; l < QC_QK; l++) dst[l] = (float)b->qs[l] * d;
     }
 }
@@ -305,7 +274,7 @@ static void deq_q2_K(const void *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n / QC_QK_K; i++, b++, dst += QC_QK_K) {
         QC_PREFETCH(b);
         QC_PREFETCH((const uint8_t *)b + 64);
-        const float d = half_to_float(b->d), dmin = half_to_float(b->dmin);
+        const float d = qc_fp16_to_fp32(b->d), dmin = qc_fp16_to_fp32(b->dmin);
         unpack_q2_K(b, q);
         for (int g = 0; g < 8; g++) {
             const uint8_t s0 = b->scales[2 * g], s1 = b->scales[2 * g + 1];
@@ -324,7 +293,7 @@ static void deq_q3_K(const void *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n / QC_QK_K; i++, b++, dst += QC_QK_K) {
         QC_PREFETCH(b);
         QC_PREFETCH((const uint8_t *)b + 64);
-        const float d = half_to_float(b->d);
+        const float d = qc_fp16_to_fp32(b->d);
         unpack_q3_K(b, q);
         unpack_q3_K_scales(b->scales, sc);
         for (int g = 0; g < 8; g++)
@@ -342,7 +311,7 @@ static void deq_q3_K(const void *src, float *dst, int64_t n) {
         for (int64_t i = 0; i < n / QC_QK_K; i++, b++, dst += QC_QK_K) {                    \
             QC_PREFETCH(b);                                                                 \
             QC_PREFETCH((const uint8_t *)b + 64);                                           \
-            const float d = half_to_float(b->d), dmin = half_to_float(b->dmin);             \
+            const float d = qc_fp16_to_fp32(b->d), dmin = qc_fp16_to_fp32(b->dmin);             \
             unpack_k_scales(b->scales, sc, mn);                                             \
             unpack(b, q);                                                                   \
             for (int s = 0; s < 8; s++) {                                                   \
@@ -364,7 +333,7 @@ static void deq_q6_K(const void *src, float *dst, int64_t n) {
         QC_PREFETCH(b);
         QC_PREFETCH((const uint8_t *)b + 64);
         QC_PREFETCH((const uint8_t *)b + 128);
-        const float d = half_to_float(b->d);
+        const float d = qc_fp16_to_fp32(b->d);
         unpack_q6_K(b, q);
         for (int g = 0; g < 8; g++)
             deq_group16(dst + 32 * g, q + 32 * g, 32.0f, d * (float)b->scales[2 * g],
@@ -530,6 +499,17 @@ static const qc_type_traits traits[QC_TRAITS_LEN] = {
 const qc_type_traits *qc_type_get(uint32_t t) {
     if (t >= QC_TRAITS_LEN || traits[t].name == NULL) return NULL;
     return &traits[t];
+}
+
+void qc_supported_type_names(char *buf, size_t size) {
+    size_t len = 0;
+    if (size == 0) return;
+    buf[0] = '\0';
+    for (uint32_t t = 0; t < QC_TYPE_COUNT; t++) {
+        const qc_type_traits *tr = qc_type_get(t);
+        if (tr == NULL || tr->dequantize == NULL || len >= size) continue;
+        len += (size_t)snprintf(buf + len, size - len, len ? " %s" : "%s", tr->name);
+    }
 }
 
 int64_t qc_row_bytes(uint32_t t, int64_t n) {

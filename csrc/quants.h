@@ -140,6 +140,10 @@ typedef struct {
 /* Traits of type t, or NULL when t is not a type value GGUF defines. */
 const qc_type_traits *qc_type_get(uint32_t t);
 
+/* The names of the types qwencuda decodes, in type-value order, space-separated
+ * ("F32 F16 Q4_0 ... Q6_K BF16"), from the traits table; cut to fit size. */
+void qc_supported_type_names(char *buf, size_t size);
+
 /* Bytes of a row of n elements; -1 if n is not a multiple of the block size or t unknown. */
 int64_t qc_row_bytes(uint32_t t, int64_t n);
 
