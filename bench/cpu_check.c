@@ -16,6 +16,7 @@
 
 #include "backend.h"
 #include "quants.h"
+#include "block_scales.h"
 
 static int failures = 0;
 
@@ -37,23 +38,7 @@ static uint32_t rnd(void) {
 }
 static float frand(void) { return (float)(rnd() % 20001) / 10000.0f - 1.0f; }   /* [-1, 1] */
 
-/* Offsets of the fp16 scale fields of one block (quants.h layouts). */
-static void fix_halves(uint32_t t, uint8_t *blk) {
-    int offs[2] = {-1, -1};
-    switch (t) {
-    case QC_TYPE_Q8_0: case QC_TYPE_Q5_0: case QC_TYPE_Q4_0: offs[0] = 0; break;
-    case QC_TYPE_Q4_1: case QC_TYPE_Q5_1: case QC_TYPE_Q4_K: case QC_TYPE_Q5_K: offs[0] = 0; offs[1] = 2; break;
-    case QC_TYPE_Q2_K: offs[0] = 80; offs[1] = 82; break;
-    case QC_TYPE_Q3_K: offs[0] = 108; break;
-    case QC_TYPE_Q6_K: offs[0] = 208; break;
-    default: return;
-    }
-    for (int i = 0; i < 2; i++)
-        if (offs[i] >= 0) {
-            uint16_t h = qc_fp32_to_fp16(0.002f * frand());
-            memcpy(blk + offs[i], &h, 2);
-        }
-}
+static float scale_value(void) { return 0.002f * frand(); }
 
 /* A random weight of the given type, with finite values. */
 static void *make_weight(uint32_t t, int64_t rows, int64_t cols, qc_weight *w) {
@@ -66,7 +51,7 @@ static void *make_weight(uint32_t t, int64_t rows, int64_t cols, qc_weight *w) {
     else if (t == QC_TYPE_BF16) for (int64_t i = 0; i < rows * cols; i++) { float f = frand(); uint32_t u; memcpy(&u, &f, 4); ((uint16_t *)p)[i] = (uint16_t)(u >> 16); }
     else {
         for (size_t i = 0; i < bytes; i++) p[i] = (uint8_t)rnd();
-        for (size_t i = 0; i < bytes; i += (size_t)tr->type_size) fix_halves(t, p + i);
+        for (size_t i = 0; i < bytes; i += (size_t)tr->type_size) set_block_scales(t, p + i, scale_value);
     }
     w->type = t; w->rows = rows; w->cols = cols; w->nbytes = bytes; w->host = p; w->data = NULL;
     return p;

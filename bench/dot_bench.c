@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "quants.h"
+#include "block_scales.h"
 
 static double now(void) {
     struct timespec ts;
@@ -28,23 +29,7 @@ static uint32_t rnd(void) {
     return (uint32_t)(rng_state >> 16);
 }
 
-/* Byte offsets of the fp16 scale fields of one block (as in quants.h). */
-static void fix_halves(uint32_t t, uint8_t *blk) {
-    int offs[2] = {-1, -1};
-    switch (t) {
-    case QC_TYPE_Q8_0: case QC_TYPE_Q5_0: case QC_TYPE_Q4_0: offs[0] = 0; break;
-    case QC_TYPE_Q4_K: case QC_TYPE_Q5_K: case QC_TYPE_Q4_1: case QC_TYPE_Q5_1: offs[0] = 0; offs[1] = 2; break;
-    case QC_TYPE_Q2_K: offs[0] = 80; offs[1] = 82; break;
-    case QC_TYPE_Q3_K: offs[0] = 108; break;
-    case QC_TYPE_Q6_K: offs[0] = 208; break;
-    default: return;
-    }
-    for (int i = 0; i < 2; i++)
-        if (offs[i] >= 0) {
-            uint16_t h = qc_fp32_to_fp16(0.001f * (float)(rnd() % 1000));
-            memcpy(blk + offs[i], &h, 2);
-        }
-}
+static float scale_value(void) { return 0.001f * (float)(rnd() % 1000); }
 
 static void bench(uint32_t t, size_t target_bytes, int repeats) {
     const qc_type_traits *tr = qc_type_get(t);
@@ -64,7 +49,7 @@ static void bench(uint32_t t, size_t target_bytes, int repeats) {
     else if (t == QC_TYPE_F16)
         for (size_t i = 0; i < bytes / 2; i++) ((uint16_t *)w)[i] = qc_fp32_to_fp16((float)(rnd() % 2000) / 1000.0f - 1.0f);
     else
-        for (size_t i = 0; i < bytes; i += (size_t)tr->type_size) fix_halves(t, w + i);
+        for (size_t i = 0; i < bytes; i += (size_t)tr->type_size) set_block_scales(t, w + i, scale_value);
     for (int64_t i = 0; i < ncols; i++) x[i] = (float)(rnd() % 2000) / 1000.0f - 1.0f;
     double best = 1e30, best_dq = 1e30, sink = 0;
     float *buf = aligned_alloc(64, (size_t)ncols * sizeof(float));
