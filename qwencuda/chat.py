@@ -134,12 +134,11 @@ def render_for(tokenizer, messages, add_generation_prompt=True, tools=None) -> s
 
 def chat(model, messages, tools=None, **gen_kwargs):
     """Answer a conversation: render it with the model's template, then generate the
-    assistant's reply (stopping at eos / <|im_end|>). Takes generate()'s keyword arguments
-    and returns what it returns (a Generation, or a stream with stream=True)."""
-    from .generation import generate
-
+    assistant's reply with model.generate (stopping at eos / <|im_end|>). Takes generate()'s
+    keyword arguments and returns what it returns (a Generation, or a stream with stream=True).
+    This module never imports qwencuda.generation (which renders templates with it)."""
     if gen_kwargs.get("chat") or gen_kwargs.get("system") is not None:
         raise ValueError("chat() takes the system prompt as a message, not chat=/system=")
     prompt = render_for(model.tokenizer, messages, add_generation_prompt=True, tools=tools)
     gen_kwargs.setdefault("allow_special", True)
-    return generate(model, prompt, **gen_kwargs)
+    return model.generate(prompt, **gen_kwargs)

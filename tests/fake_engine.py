@@ -132,6 +132,11 @@ class FakeModel:
         self.sessions.append(s)
         return s
 
+    def generate(self, *args, **kwargs):   # as Model.generate
+        from qwencuda.generation import generate
+
+        return generate(self, *args, **kwargs)
+
 
 class GreedySampler:
     def __init__(self, n_vocab, **kwargs):
