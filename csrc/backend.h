@@ -69,6 +69,10 @@ static inline size_t qc_kv_type_size(int type) { return type == QC_KV_F16 ? 2 : 
 /* Most projections one matmul_multi call computes (q, k and v). */
 #define QC_MATMUL_MULTI_MAX 3
 
+/* Largest token count that the CUDA backend's matmul serves with the batched GEMV kernels,
+ * reading the stored blocks directly; above it, it dequantizes and calls cuBLAS. */
+#define QC_GEMV_MAX_TOKENS 8
+
 typedef struct qc_backend qc_backend;
 
 typedef struct qc_backend_ops {

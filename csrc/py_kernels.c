@@ -180,9 +180,14 @@ static int weight_arg_parse(PyObject *tuple, weight_arg *wa) {
                      tr->name, cols, (long long)tr->block_size);
         return -1;
     }
+    if (rows > INT64_MAX / rb) {   /* before rows * rb is formed anywhere */
+        PyErr_Format(PyExc_ValueError, "weight of type %s and shape (%lld, %lld) needs more than "
+                     "%lld bytes", tr->name, rows, cols, (long long)INT64_MAX);
+        return -1;
+    }
     if (PyObject_GetBuffer(raw, &wa->view, PyBUF_C_CONTIGUOUS) < 0) return -1;
     wa->have_view = 1;
-    if (rows > INT64_MAX / rb || (int64_t)wa->view.len != rows * rb) {
+    if ((int64_t)wa->view.len != rows * rb) {
         PyErr_Format(PyExc_ValueError, "weight of type %s and shape (%lld, %lld) needs %lld bytes, raw has %zd",
                      tr->name, rows, cols, (long long)(rows * rb), wa->view.len);
         weight_arg_release(wa);
@@ -1371,5 +1376,8 @@ static PyMethodDef kernel_methods[] = {
 };
 
 int qc_py_add_kernels(PyObject *m) {
+    if (PyModule_AddIntConstant(m, "GEMV_MAX_TOKENS", QC_GEMV_MAX_TOKENS) < 0 ||
+        PyModule_AddIntConstant(m, "MATMUL_MULTI_MAX", QC_MATMUL_MULTI_MAX) < 0)
+        return -1;
     return PyModule_AddFunctions(m, kernel_methods);
 }

@@ -83,10 +83,6 @@ int qc_cuda_value_error(qc_backend *be, const char *fmt, ...)
 /* Grow a device scratch buffer to at least `bytes` (the old contents are not kept). */
 int qc_cuda_scratch(qc_backend *be, void **buf, size_t *cap, size_t bytes);
 
-/* Largest token count that matmul serves with the batched GEMV kernels, reading the stored
- * blocks directly; above it, it dequantizes and calls cuBLAS. */
-#define QC_GEMV_MAX_TOKENS 8
-
 /* ---- launchers, one per op, in the op's file or its closest relative's; arguments as in
  * backend.h ---- */
 int qc_cuda_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out);

@@ -43,9 +43,9 @@ __all__ = [
 ]
 
 # matmul reads the stored blocks directly (GEMV) up to this many tokens; above, dequant + cuBLAS
-GEMV_MAX_TOKENS = 8
+GEMV_MAX_TOKENS = _core.GEMV_MAX_TOKENS
 # most weights one matmul_multi call takes (q, k and v)
-MATMUL_MULTI_MAX = 3
+MATMUL_MULTI_MAX = _core.MATMUL_MULTI_MAX
 
 _TYPES = None
 
