@@ -2,10 +2,12 @@
  * references, then the decode/prefill matmul timings.
  *
  *   gcc -std=c11 -O3 -pthread -Icsrc -Icsrc/cpu bench/cpu_check.c csrc/quants.c csrc/common.c \
- *       csrc/backend.c csrc/cpu/\*.c -lm -o /tmp/cpu_check && /tmp/cpu_check [threads]
+ *       csrc/backend.c csrc/sampler.c csrc/cpu/\*.c -lm -o /tmp/cpu_check && /tmp/cpu_check [threads]
  *
  * Prints one line per check and exits 1 if any failed. Tolerances are stated per check as
- * |got - ref| <= atol + rtol * scale, with the scale named.
+ * |got - ref| <= atol + rtol * scale, with the scale named. The checks run the float32
+ * reference ops (device "cpu:float"), whose tolerances these are; the fast kernels' 8-bit
+ * activations are checked by tests/test_kernels.py. The timings run the fast kernels ("cpu").
  */
 #define _POSIX_C_SOURCE 199309L
 #include <math.h>
@@ -192,7 +194,8 @@ static void check_attention(qc_backend *be) {
     int n_kv = pos[N - 1] + 1;
     for (int i = 0; i < N * NH * HD; i++) q[i] = 3.0f * frand();
     for (int i = 0; i < NCTX * NKV * HD; i++) { kc[i] = 3.0f * frand(); vc[i] = frand(); }
-    int rc = be->ops->attention(be, q, kc, vc, pos, N, n_kv, NH, NKV, HD, out, scores, probs);
+    const qc_kv_cache cache = {kc, vc, QC_KV_F32};
+    int rc = be->ops->attention(be, q, cache, pos, N, n_kv, NH, NKV, HD, out, scores, probs);
     naive_attention(q, kc, vc, pos, N, n_kv, NH, NKV, HD, rout, rprobs);
     double wo = 0, wp = 0;
     int masks = 1;
@@ -213,12 +216,12 @@ static void check_attention(qc_backend *be) {
     static float one[NH * HD];
     int same = 1;
     for (int t = 0; t < N; t++) {
-        be->ops->attention(be, q + t * NH * HD, kc, vc, pos + t, 1, pos[t] + 1, NH, NKV, HD, one, NULL, NULL);
+        be->ops->attention(be, q + t * NH * HD, cache, pos + t, 1, pos[t] + 1, NH, NKV, HD, one, NULL, NULL);
         if (memcmp(one, out + t * NH * HD, sizeof one) != 0) same = 0;
     }
     check(same, "attention: each query alone (decode) gives the prefill's bits");
     int32_t badpos[1] = {n_kv};
-    check(be->ops->attention(be, q, kc, vc, badpos, 1, n_kv, NH, NKV, HD, out, NULL, NULL) < 0,
+    check(be->ops->attention(be, q, cache, badpos, 1, n_kv, NH, NKV, HD, out, NULL, NULL) < 0,
           "attention: a position >= n_kv fails");
 }
 
@@ -273,7 +276,7 @@ int main(int argc, char **argv) {
     int threads = argc > 1 ? atoi(argv[1]) : 2;
     qc_backend *be = NULL;
     qc_error err = {0};
-    if (qc_backend_create("cpu", threads, &be, &err) < 0) {
+    if (qc_backend_create("cpu:float", threads, &be, &err) < 0) {
         printf("create failed: %s\n", err.msg);
         return 1;
     }
@@ -294,8 +297,8 @@ int main(int argc, char **argv) {
     /* thread count does not change results */
     {
         qc_backend *b1 = NULL, *b3 = NULL;
-        qc_backend_create("cpu", 1, &b1, &err);
-        qc_backend_create("cpu", 3, &b3, &err);
+        qc_backend_create("cpu:float", 1, &b1, &err);
+        qc_backend_create("cpu:float", 3, &b3, &err);
         qc_weight w;
         void *mem = make_weight(QC_TYPE_Q5_0, 333, 896, &w);
         w.data = (void *)w.host;
@@ -309,6 +312,12 @@ int main(int argc, char **argv) {
         free(mem); free(x); free(o1); free(o3);
     }
     printf("%s: %d failure(s)\n\n", failures ? "FAILED" : "all passed", failures);
+    qc_backend_destroy(be);
+    be = NULL;
+    if (qc_backend_create("cpu", threads, &be, &err) < 0) {
+        printf("create failed: %s\n", err.msg);
+        return 1;
+    }
 
     /* Qwen2.5-0.5B shapes as (rows, cols) = (out, in) = GGUF ne reversed: attn_q/o 896 x 896,
      * ffn_down 896 x 4864 (GGUF ne [4864, 896], the only FFN weight a K format can hold, as 896
