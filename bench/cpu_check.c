@@ -18,7 +18,8 @@
 
 #include "backend.h"
 #include "quants.h"
-#include "block_scales.h"
+#define BENCH_RNG_SEED 0x243F6A8885A308D3ull
+#include "bench_common.h"
 
 static int failures = 0;
 
@@ -27,17 +28,6 @@ static void check(int ok, const char *what) {
     if (!ok) failures++;
 }
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static uint64_t rng_state = 0x243F6A8885A308D3ull;
-static uint32_t rnd(void) {
-    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
 static float frand(void) { return (float)(rnd() % 20001) / 10000.0f - 1.0f; }   /* [-1, 1] */
 
 static float scale_value(void) { return 0.002f * frand(); }

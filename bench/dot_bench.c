@@ -15,19 +15,8 @@
 #include <time.h>
 
 #include "quants.h"
-#include "block_scales.h"
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static uint32_t rnd(void) {
-    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
+#define BENCH_RNG_SEED 0x9E3779B97F4A7C15ull
+#include "bench_common.h"
 
 static float scale_value(void) { return 0.001f * (float)(rnd() % 1000); }
 

@@ -1,12 +1,27 @@
-/* block_scales.h: the fp16 scale fields of one block, located through the block structs of
- * csrc/quants.h, for the benches that fill weights with random codes and finite scales. */
-#ifndef QC_BENCH_BLOCK_SCALES_H
-#define QC_BENCH_BLOCK_SCALES_H
+/* bench_common.h: what the C benches share: a monotonic clock, a seeded xorshift generator
+ * (define BENCH_RNG_SEED before including), and the fp16 scale fields of one block, located
+ * through the block structs of csrc/quants.h, for weights of random codes and finite scales.
+ * Needs _POSIX_C_SOURCE >= 199309L for clock_gettime. */
+#ifndef QC_BENCH_COMMON_H
+#define QC_BENCH_COMMON_H
 
 #include <stddef.h>
 #include <string.h>
+#include <time.h>
 
 #include "quants.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t rng_state = BENCH_RNG_SEED;
+static uint32_t rnd(void) {
+    rng_state ^= rng_state << 13; rng_state ^= rng_state >> 7; rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
 
 /* Byte offsets of the fp16 scales of a block of type t (d, then m / dmin where the format has
  * one) -> how many (0 for types without block scales). */
@@ -36,4 +51,4 @@ static void set_block_scales(uint32_t t, uint8_t *blk, float (*value)(void)) {
     }
 }
 
-#endif /* QC_BENCH_BLOCK_SCALES_H */
+#endif /* QC_BENCH_COMMON_H */
