@@ -185,7 +185,7 @@ def test_qwen05b_greedy_matches_cpu(synth_dir, weight_type, record_property):
     path = synth(synth_dir, "qwen2.5-0.5b", weight_type)
     prompt = _ids(128, 151936, seed=5)
     tc, lc = _greedy(path, "cuda", prompt, 64)
-    tp, lp = _greedy(path, "cpu", prompt, 64)
+    tp, lp = _greedy(path, "cpu:float", prompt, 64)   # the CPU's float32 reference kernels
     record_property("tokens_equal", tc == tp)      # lands in the junit report of gpu_check.sh
     if tc != tp:
         i = next(k for k in range(len(tc)) if tc[k] != tp[k])
@@ -204,7 +204,7 @@ def test_real_model_greedy_matches_cpu(real_model_path):
     prompt = qwencuda.Model(real_model_path, device="cpu").tokenizer.encode(
         "Write a haiku about GPUs.\n")
     tc, lc = _greedy(real_model_path, "cuda", prompt, 32)
-    tp, lp = _greedy(real_model_path, "cpu", prompt, 32)
+    tp, lp = _greedy(real_model_path, "cpu:float", prompt, 32)
     if tc != tp:
         i = next(k for k in range(len(tc)) if tc[k] != tp[k])
         gap = float(lp[i][tp[i]] - lp[i][tc[i]])

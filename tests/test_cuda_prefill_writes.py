@@ -62,7 +62,7 @@ def test_prefill_after_another_prompt_is_bit_identical(models, weight_type, no_f
         np.testing.assert_array_equal(after_a[name], fresh[name], err_msg=f"{name}: stale values of "
                                       "the previous prompt, or a nondeterministic GEMM")
     np.testing.assert_array_equal(after_a.logits, fresh.logits)
-    with qc.Model(models[weight_type], device="cpu") as cpu:
+    with qc.Model(models[weight_type], device="cpu:float") as cpu:   # the float32 reference kernels
         want = cpu.forward(b, capture=CAPTURE, logits="all")
     scale = np.abs(want.logits).max()
     assert np.abs(fresh.logits - want.logits).max() <= 5e-2 * scale       # F16_TOL of test_cuda_engine
