@@ -228,6 +228,8 @@ fi
     echo "- build: $build_status"
     echo "- build_info: \`$info\`"
     echo "- tests: $test_summary"
+    # the outside oracles count themselves (tests/conftest.py): HF transformers, llama.cpp's layers
+    grep -E "^outside oracle" "$logdir/pytest.log" 2>/dev/null | sed 's/^/  - /'
     echo "- sanitizer (tiny models, prefill + decode, with and without capture; memcheck on three weight types, initcheck and racecheck on F32 weights): $san_summary"
     echo
     echo "## Failures"
