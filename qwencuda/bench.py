@@ -58,6 +58,12 @@ def _commit():
     return None
 
 
+def _core_info():
+    from . import _core
+
+    return _core.build_info()
+
+
 def _type_mix(types):
     mix = {}
     for t in types.values():
@@ -116,7 +122,8 @@ def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repe
             "lm_head_type": types.get("output.weight") or types.get("output (token_embd.weight, tied)"),
             "config": {k: getattr(cfg, k) for k in ("n_layer", "dim", "n_head", "n_head_kv", "ffn_dim", "n_vocab")},
             "device": model.device,
-            "threads": model._core_model().threads if model.device == "cpu" else None,
+            "threads": model._core_model().threads if model.device.startswith("cpu") else None,
+            "cpu_kernels": _core_info().get("cpu_kernels") if model.device == "cpu" else None,
             "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "gpu": _gpu_name(model.device),
                         "python": platform.python_version()},
             "commit": _commit(),
@@ -140,6 +147,8 @@ def format_bench(result) -> str:
     r = result
     m = r["machine"]
     where = m["gpu"] if m.get("gpu") else f"{m['cpu']} ({r.get('threads') or m['cores']} threads)"
+    if r.get("cpu_kernels"):
+        where += f"; kernels: {r['cpu_kernels']}"
     mix = ", ".join(f"{t} x{n}" for t, n in r["type_mix"].items())
     spread = lambda xs, n: (f"{n / max(xs):.1f}..{n / min(xs):.1f}" if xs and min(xs) > 0 else "-")
     lines = [
