@@ -106,7 +106,8 @@ struct qc_session {
     int chunk;                /* most tokens per forward pass */
     size_t capture_budget;    /* bytes; 0 = half of MemAvailable at each eval */
     int no_fusion;            /* QWENCUDA_NO_FUSION at creation: never the fused ops */
-    int no_replay;            /* QWENCUDA_NO_GRAPHS at creation, or a recording that failed */
+    int no_graphs;            /* QWENCUDA_NO_GRAPHS at creation: every decode step op by op */
+    int record_failed;        /* a decode step could not be recorded (and ran op by op) */
     qc_kv_cache *kv;          /* [n_layer] (max_ctx, n_head_kv * head_dim) of k (after RoPE), v */
     qc_scratch sc;
     int32_t *host_pos;        /* (sc.rows) positions staged on the host before upload */
@@ -544,7 +545,7 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
     s->chunk = QC_DEFAULT_CHUNK;
     /* QWENCUDA_NO_GRAPHS=1 runs every decode step op by op (to measure or to debug replay) */
     const char *no_graphs = getenv("QWENCUDA_NO_GRAPHS");
-    s->no_replay = no_graphs && *no_graphs && strcmp(no_graphs, "0") != 0;
+    s->no_graphs = no_graphs && *no_graphs && strcmp(no_graphs, "0") != 0;
     /* QWENCUDA_NO_FUSION=1 runs the unfused op sequences everywhere (to measure the fused ops) */
     const char *no_fusion = getenv("QWENCUDA_NO_FUSION");
     s->no_fusion = no_fusion && *no_fusion && strcmp(no_fusion, "0") != 0;
@@ -902,14 +903,15 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     if (*slot == NULL) {
         void *rec = NULL;
         if (op->record_begin(be) < 0) {
-            s->no_replay = 1;
+            s->record_failed = 1;
             return 0;
         }
         const int ran = forward_chunk(s, p, 0, 1, err);
         if (op->record_end(be, &rec) < 0 || ran < 0) {
-            /* not recordable on this backend after all: op by op from now on */
+            /* not recordable on this backend after all: op by op from now on, unless the step
+             * fails op by op too (then the eval's own error, not the recording, was at fault) */
             op->recording_free(be, rec);
-            s->no_replay = 1;
+            s->record_failed = 1;
             return 0;
         }
         *slot = rec;
@@ -930,7 +932,8 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     if (capture_prepare(s, p, err) < 0) return -1;
     p->want_head = req->want_logits || p->do_sample || s->slot[CAP_OUTPUT_NORM] >= 0 ||
                    s->slot[CAP_LOGITS] >= 0 || s->slot[CAP_ARGMAX] >= 0;
-    const int replayable = p->n == 1 && p->n_captured == 0 && p->want_head && op->replay && !s->no_replay;
+    const int replayable = p->n == 1 && p->n_captured == 0 && p->want_head && op->replay && !s->no_graphs &&
+                           !s->record_failed;
     p->defer_download = replayable;
     p->do_argmax = (replayable && !p->do_sample) || req->want_logits || s->slot[CAP_ARGMAX] >= 0;
 
@@ -947,7 +950,10 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
         if (upload_chunk(s, p, 0, 1, err) < 0) return -1;
         const int replayed = decode_replayed(s, p, err);
         if (replayed < 0) return -1;
-        if (!replayed && forward_chunk(s, p, 0, 1, err) < 0) return -1;
+        if (!replayed && forward_chunk(s, p, 0, 1, err) < 0) {
+            s->record_failed = 0;   /* the step itself failed: a later one may record */
+            return -1;
+        }
         if (req->want_logits &&
             (op->download(be, res->logits, s->logits, (size_t)c->n_vocab * sizeof(float)) < 0 ||
              op->download(be, res->argmax, s->amax, sizeof(int32_t)) < 0))
