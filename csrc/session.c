@@ -124,7 +124,8 @@ struct qc_session {
     void *sample_work;        /* (qc_sample_work_bytes(n_vocab)) */
     void *sample_result;      /* one qc_sample_result */
     /* this eval's captures: slot[name] = index into the result's items, or -1 */
-    int *slot;                /* [CAP_N_GLOBAL + n_layer * L_N_NAMES] */
+    int *slot;                /* [CAP_N_GLOBAL + n_layer * L_N_NAMES], all -1 unless marked */
+    int slots_marked;         /* the last eval captured something: slot[] needs clearing */
 };
 
 /* What one eval does, decided once before any work. */
@@ -316,8 +317,12 @@ static int capture_prepare(qc_session *s, eval_plan *p, qc_error *err) {
     char name[64];
     int64_t d[3];
     int dtype;
-    for (size_t i = 0; i < n_names(s); i++) s->slot[i] = -1;
+    /* cleared only after an eval that captured: a decode step walks no name table */
+    if (s->slots_marked)
+        for (size_t i = 0; i < n_names(s); i++) s->slot[i] = -1;
+    s->slots_marked = 0;
     if (spec == NULL || spec->n_patterns <= 0) return 0;   /* capture off: no work at all */
+    s->slots_marked = 1;
     for (size_t k = 0; k < n_names(s); k++) {
         const size_t i = forward_order(s, k);
         name_of(s, i, name, sizeof name);
@@ -551,6 +556,7 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
     s->no_fusion = no_fusion && *no_fusion && strcmp(no_fusion, "0") != 0;
     s->kv = calloc((size_t)c->n_layer, sizeof *s->kv);
     s->slot = malloc(n_names(s) * sizeof *s->slot);
+    if (s->slot) s->slots_marked = 1;   /* the first eval clears them */
     if (s->kv == NULL || s->slot == NULL) {
         qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
         goto fail;

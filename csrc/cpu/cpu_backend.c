@@ -136,32 +136,17 @@ static const qc_backend_ops cpu_ops = {
     .rope_kv_store = qc_cpu_rope_kv_store,
 };
 
-/* The fast ops (cpu_fast.c) where this CPU has the kernels; the rest are the reference's. */
-static const qc_backend_ops cpu_fast_ops = {
-    .alloc = cpu_alloc,
-    .free = cpu_free,
-    .upload = cpu_memcpy,
-    .download = cpu_memcpy,
-    .copy = cpu_memcpy,
-    .weight_load = cpu_weight_load,
-    .weight_free = cpu_weight_free,
-    .synchronize = cpu_synchronize,
-    .destroy = cpu_destroy,
-    .embed = qc_cpu_embed,
-    .rmsnorm = qc_cpu_fast_rmsnorm,
-    .matmul = qc_cpu_fast_matmul,
-    .rope = qc_cpu_rope,
-    .kv_store = qc_cpu_kv_store,
-    .attention = qc_cpu_attention,
-    .swiglu = qc_cpu_fast_swiglu,
-    .add = qc_cpu_add,
-    .argmax = qc_cpu_fast_argmax,
-    .sample = qc_cpu_sample,
-    .matmul_add = qc_cpu_fast_matmul_add,
-    .matmul_multi = qc_cpu_fast_matmul_multi,
-    .matmul_swiglu = qc_cpu_fast_matmul_swiglu,
-    .rope_kv_store = qc_cpu_rope_kv_store,
-};
+/* The fast ops (cpu_fast.c), where this CPU has the kernels, in place of the reference's: the
+ * matmul family with 8-bit activations, rmsnorm, swiglu, argmax. Every other op is shared. */
+static void use_fast_ops(qc_backend_ops *ops) {
+    ops->rmsnorm = qc_cpu_fast_rmsnorm;
+    ops->matmul = qc_cpu_fast_matmul;
+    ops->swiglu = qc_cpu_fast_swiglu;
+    ops->argmax = qc_cpu_fast_argmax;
+    ops->matmul_add = qc_cpu_fast_matmul_add;
+    ops->matmul_multi = qc_cpu_fast_matmul_multi;
+    ops->matmul_swiglu = qc_cpu_fast_matmul_swiglu;
+}
 
 int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err) {
     /* QWENCUDA_CPU_KERNELS=float: every CPU backend runs the reference ops (device "cpu:float"
@@ -176,7 +161,9 @@ int qc_cpu_backend_create_kernels(int threads, int float_reference, qc_backend *
     qc_cpu_state *st = calloc(1, sizeof *st);
     if (!be || !st) goto nomem;
     st->simd = float_reference ? NULL : qc_simd_get();
-    be->ops = st->simd ? &cpu_fast_ops : &cpu_ops;
+    st->ops = cpu_ops;
+    if (st->simd) use_fast_ops(&st->ops);
+    be->ops = &st->ops;
     be->name = "cpu";
     be->impl = st;
     if (threads <= 0) {

@@ -15,6 +15,7 @@ typedef struct {
     float *normed;                 /* the fused ops' normalised input (qc_cpu_normed_buffer) */
     size_t normed_floats;
     const qc_simd_kernels *simd;   /* the fast kernels (cpu_fast.c), NULL: the reference ops */
+    qc_backend_ops ops;            /* be->ops: the reference ops, the fast ones where simd is set */
     qc_q8_block *xq;               /* a matmul's activations in 8 bits (qc_cpu_q8_buffer) */
     size_t xq_blocks;
 } qc_cpu_state;
@@ -67,20 +68,6 @@ int qc_cpu_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weigh
 int qc_cpu_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
                          int n, int n_head, int n_head_kv, int head_dim, float theta,
                          qc_kv_cache cache);
-
-/* The fast ops (cpu_fast.c): the same contracts, 8-bit activations for the matmuls. */
-int qc_cpu_fast_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
-                        float *out);
-int qc_cpu_fast_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
-                       float *out);
-int qc_cpu_fast_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
-                           const float *residual, float *out);
-int qc_cpu_fast_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts,
-                             const float *x, int n, const float *norm_w, float eps);
-int qc_cpu_fast_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                              const float *x, int n, const float *norm_w, float eps, float *act);
-int qc_cpu_fast_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
-int qc_cpu_fast_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
 
 /* The fast ops (cpu_fast.c): the same contracts, 8-bit activations for the matmuls. */
 int qc_cpu_fast_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
