@@ -8,7 +8,9 @@ set -euo pipefail
 name=${1:?usage: scripts/devbuild.sh NAME}
 top=$(cd "$(dirname "$0")/.." && pwd)
 out=/tmp/qc-$name
+# the project's virtual environment when there is one (numpy and setuptools live there)
 py=${PYTHON:-python3}
+[ -z "${PYTHON:-}" ] && [ -x "$top/.venv/bin/python" ] && py=$top/.venv/bin/python
 mkdir -p "$out/qwencuda" "$out/build"
 cd "$top"
 QWENCUDA_CUDA=${QWENCUDA_CUDA:-0} "$py" setup.py -q build_ext --build-lib "$out/build/lib" \
