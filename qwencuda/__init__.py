@@ -62,6 +62,11 @@ _LAZY = {
     "kernels": ("kernels", None),
     "reference": ("reference", None),
     "testing": ("testing", None),
+    "patching": ("patching", None),
+    "Replace": ("patching", "Replace"),
+    "Add": ("patching", "Add"),
+    "Scale": ("patching", "Scale"),
+    "ZeroHeads": ("patching", "ZeroHeads"),
 }
 
 __all__ = ["CudaError", "GGUFError", "ModelError", "build_info", "__version__", *_LAZY]
