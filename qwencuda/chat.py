@@ -135,7 +135,8 @@ def render_for(tokenizer, messages, add_generation_prompt=True, tools=None) -> s
 def chat(model, messages, tools=None, **gen_kwargs):
     """Answer a conversation: render it with the model's template, then generate the
     assistant's reply with model.generate (stopping at eos / <|im_end|>). Takes generate()'s
-    keyword arguments and returns what it returns (a Generation, or a stream with stream=True).
+    keyword arguments (capture= and logprobs=k included: the reply's traces and
+    log-probabilities) and returns what it returns (a Generation, or a stream with stream=True).
     This module never imports qwencuda.generation (which renders templates with it)."""
     if gen_kwargs.get("chat") or gen_kwargs.get("system") is not None:
         raise ValueError("chat() takes the system prompt as a message, not chat=/system=")

@@ -72,6 +72,35 @@ def _stream_out(stream, out):
     return stream.result
 
 
+def _token_shown(tokenizer, token_id, text):
+    """A token's text as a JSON string; a token that is part of a UTF-8 character as its bytes."""
+    import json
+
+    if "\ufffd" in text and hasattr(tokenizer, "decode_bytes"):
+        return 'b"' + "".join(f"\\x{b:02x}" for b in tokenizer.decode_bytes([token_id])) + '"'
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _logprob_lines(tokenizer, result, k):
+    """One line per generated token: index, id, text, logprob, then the top k alternatives."""
+    yield (f"logprobs: index id token logprob | the top {k} (natural log of the model's "
+           "probabilities, before sampling)")
+    for i, lp in enumerate(result.logprobs):
+        line = f"{i:4d} {lp.token:7d} {_token_shown(tokenizer, lp.token, lp.text)} {lp.logprob:.4f}"
+        if lp.top:
+            line += "  |  " + "  ".join(f"{_token_shown(tokenizer, t, text)} {v:.4f}"
+                                        for t, text, v in lp.top)
+        yield line
+
+
+def _save_traces(folder, traces):
+    """Trace i (the pass that chose generated token i) -> folder/token_NNNN.npz."""
+    os.makedirs(folder, exist_ok=True)
+    for i, tr in enumerate(traces):
+        tr.save(os.path.join(folder, f"token_{i:04d}.npz"))
+    return len(traces)
+
+
 def cmd_generate(args):
     from .generation import generate
 
@@ -82,10 +111,19 @@ def cmd_generate(args):
         raise ValueError("the prompt is empty")
     if args.raw and args.system is not None:
         raise ValueError("--system needs the chat template (drop --raw)")
+    if (args.capture is None) != (args.save_traces is None):
+        raise ValueError("--capture and --save-traces go together (what to capture, where to write it)")
     with _open_model(args) as model:
         stream = generate(model, prompt, stream=True, chat=not args.raw, system=args.system,
-                          progress=True, **_gen_kwargs(args))
+                          progress=True, capture=args.capture, logprobs=args.logprobs,
+                          **_gen_kwargs(args))
         result = _stream_out(stream, sys.stdout)
+        if args.logprobs is not None:
+            for line in _logprob_lines(model.tokenizer, result, args.logprobs):
+                print(line)
+        if args.capture is not None:
+            n = _save_traces(args.save_traces, result.traces)
+            print(f"{n} traces written to {args.save_traces}", file=sys.stderr)
         if not args.quiet:
             print(_speed_line(model, result), file=sys.stderr)
     return EXIT_OK
@@ -244,6 +282,14 @@ def build_parser():
     p.add_argument("prompt", help='the prompt ("-" reads stdin)')
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, no chat template")
     p.add_argument("--quiet", "-q", action="store_true", help="no speed line")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="after the text, one line per generated token: its log-probability and "
+                        "the K most likely tokens (the model's distribution before sampling)")
+    p.add_argument("--capture", action="append", metavar="PATTERN",
+                   help="capture these tensors (glob, repeatable) at every generated token; "
+                        "needs --save-traces")
+    p.add_argument("--save-traces", metavar="DIR",
+                   help="write trace i (the pass that chose token i) to DIR/token_000i.npz")
     _add_model_args(p)
     _add_gen_args(p, 256)
     p.set_defaults(func=cmd_generate)

@@ -17,11 +17,25 @@ Streaming yields text pieces that never split a UTF-8 character (the tokenizer's
 decoder) and never show text that a stop string later removes: text that might be the start
 of a stop string is held back until the next token decides. The pieces of a stream concatenate
 to exactly Generation.text, because the non-streaming call consumes the very same stream.
+
+What the engine saw, per generated token (asked for with capture= and logprobs=k; without
+them every token is drawn on the device and only its id comes back):
+  Generation.traces[i]    the Trace of the forward pass whose last position's logits chose
+                          tokens[i] (as HF's generate(output_attentions=True) counts them):
+                          [0] is the prefill of the whole prompt (one call, so that the trace
+                          covers it all), [i >= 1] the step that fed tokens[i - 1] at position
+                          len(prompt) + i - 1, whose attention spans len(prompt) + i keys
+  Generation.logprobs[i]  a TokenLogprobs for tokens[i]: log_softmax of those same logits, in
+                          float64 from the engine's float32 row: the model's own distribution,
+                          before the repetition penalty, top-k/top-p/min-p and temperature
+The lists have one entry per token from the moment the token exists, also while streaming
+(GenerationStream.tokens / .logprobs / .traces are the very lists the result gets).
 """
 import sys
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 from .chat import render_for
@@ -43,18 +57,70 @@ class Generation:
     prefill_tokens_per_s: float       # prompt tokens / prefill time
     decode_tokens_per_s: float        # generated tokens / decode time (0.0 when none)
     timings: dict = field(default_factory=dict)   # seconds: prefill_s, decode_s, total_s; counts
+    logprobs: list = None             # a TokenLogprobs per token with logprobs=k, else None
+    traces: list = None               # a Trace per token with capture=, else None (module doc)
 
     def __str__(self):
         return self.text
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability, and the k most likely tokens of the same step."""
+
+    token: int                        # the generated id
+    text: str                         # its text alone (U+FFFD for part of a UTF-8 character)
+    logprob: float                    # log P(token) under the model (natural log)
+    top: tuple = ()                   # ((id, text, logprob), ...) k of them, most likely first,
+                                      # equal logprobs in id order; may or may not hold token
+
+
+def log_softmax(logits) -> np.ndarray:
+    """float64 log-probabilities of one row of logits. NaN counts as -inf (as for the sampler)."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    x = np.where(np.isnan(x), -np.inf, x)
+    top = np.max(x)
+    return x - (top + np.log(np.sum(np.exp(x - top))))
+
+
+def _top_ids(lp, k) -> np.ndarray:
+    """The k largest entries of lp, largest first, ties by lower id; without sorting the whole
+    vocabulary (a partition, then a sort of k)."""
+    n = lp.size
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if k < n:
+        kth = np.partition(lp, n - k)[n - k]
+        above = np.flatnonzero(lp > kth)
+        cand = np.concatenate([above, np.flatnonzero(lp == kth)[:k - above.size]])
+    else:
+        cand = np.arange(n)
+    return cand[np.lexsort((cand, -lp[cand]))]
+
+
+def token_logprobs(tokenizer, logits, token, k) -> TokenLogprobs:
+    """The TokenLogprobs of `token` drawn from one row of logits, with the top k."""
+    lp = log_softmax(logits)
+    top = tuple((int(i), tokenizer.decode([int(i)]), float(lp[i])) for i in _top_ids(lp, k))
+    return TokenLogprobs(token=int(token), text=tokenizer.decode([int(token)]),
+                         logprob=float(lp[token]), top=top)
+
+
 class GenerationStream:
     """An iterator of text pieces; `.result` holds the Generation once it is exhausted
-    (or closed: then stop_reason is "cancelled")."""
+    (or closed: then stop_reason is "cancelled").
 
-    def __init__(self, run):
-        """run(stream) -> a generator of pieces that sets stream.result when it ends."""
+    While it runs, `.tokens` (and with logprobs=k `.logprobs`, with capture= `.traces`, else
+    None) hold one entry per token generated so far: at each piece, every token whose text is
+    in the pieces so far and any whose text is still held back. They are the result's lists."""
+
+    def __init__(self, run, logprobs=False, traces=False):
+        """run(stream) -> a generator of pieces that fills the lists and sets stream.result when
+        it ends."""
         self.result = None
+        self.tokens = []
+        self.logprobs = [] if logprobs else None
+        self.traces = [] if traces else None
         self._gen = run(self)
 
     def __iter__(self):
@@ -85,6 +151,8 @@ class _Plan:
     stops: tuple
     eog: frozenset
     progress: bool
+    logprobs: int = None              # top-k of TokenLogprobs, or None: no logits come back
+    evals: dict = field(default_factory=dict)   # capture= for every prefill/step call
 
 
 def _eog_ids(tok) -> frozenset:
@@ -139,10 +207,34 @@ def _prompt_ids(model, prompt, allow_special, chat, system) -> list:
     return ids
 
 
+def _check_logprobs(logprobs, n_vocab):
+    if logprobs is None:
+        return None
+    if isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer)) or logprobs < 0:
+        raise ValueError(f"logprobs must be an int >= 0 (how many top alternatives per token; "
+                         f"0: the chosen token's only) or None, got {logprobs!r}")
+    if logprobs > n_vocab:
+        raise ValueError(f"logprobs={logprobs} is more than the vocabulary ({n_vocab} tokens)")
+    return int(logprobs)
+
+
+def _check_capture(model, capture):
+    """capture -> the patterns (a tuple) or None, checked against the model's capture names
+    by the check Model.forward uses."""
+    if capture is None:
+        return None
+    from .model import _patterns
+
+    return _patterns(capture, model.capture_names())
+
+
 def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
-          repeat_last_n, seed, stop, allow_special, chat, system, progress, max_context) -> _Plan:
+          repeat_last_n, seed, stop, allow_special, chat, system, progress, max_context,
+          capture=None, logprobs=None) -> _Plan:
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    logprobs = _check_logprobs(logprobs, model.config.n_vocab)
+    patterns = _check_capture(model, capture)
     sampler_kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
     from .sampling import Sampler
@@ -164,6 +256,7 @@ def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repea
         ids=ids, max_new_tokens=int(max_new_tokens), max_context=max_context,
         sampler_kwargs=sampler_kwargs,
         stops=stops, eog=_eog_ids(model.tokenizer), progress=bool(progress),
+        logprobs=logprobs, evals={} if patterns is None else {"capture": patterns},
     )
 
 
@@ -184,18 +277,24 @@ def _first_stop(text, stops) -> int:
     return min(hits) if hits else -1
 
 
-def _prefill(session, ids, progress, sampler):
-    """Feed the prompt in chunks; return the first token the sampler draws after it (None
-    without a sampler)."""
-    chunks = [ids[i:i + PREFILL_CHUNK] for i in range(0, len(ids), PREFILL_CHUNK)]
+def _prefill(session, ids, progress, sampler, logits, evals):
+    """Feed the prompt; return the last call's Trace, whose .token is the first token the
+    sampler draws after it (no sampler: nothing is drawn, logits and evals are not used)."""
+    if sampler is None:
+        logits, evals = None, {}
+    # in chunks that a progress bar counts, but in one call when capturing (or patching): the
+    # trace covers the whole prompt, row i is prompt token i (the session splits it anyway)
+    size = len(ids) if evals else PREFILL_CHUNK
+    chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
     with tqdm(total=len(ids), unit="tok", desc="prefill", file=sys.stderr, leave=False,
               disable=not (progress and len(chunks) > 1)) as bar:
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
             # the lm_head and the draw run once, on the device, after the last chunk
-            tr = session.prefill(chunk, logits=None, sampler=sampler if last else None)
+            tr = (session.prefill(chunk, logits=logits, sampler=sampler, **evals) if last else
+                  session.prefill(chunk, logits=None))
             bar.update(len(chunk))
-    return tr.token
+    return tr
 
 
 def _make_sampler(model, kwargs):
@@ -207,12 +306,15 @@ def _make_sampler(model, kwargs):
 def _run(model, plan, stream_obj):
     """The generation loop, as a generator of text pieces; sets stream_obj.result at the end."""
     tok = model.tokenizer
-    tokens, pieces = [], []
+    tokens, logprobs, traces = stream_obj.tokens, stream_obj.logprobs, stream_obj.traces
+    pieces = []
     reason = "cancelled"
     held = ""
     t_start = time.perf_counter()
     prefill_s = decode_s = 0.0
     session = None
+    # the fast path unless asked for more: no logits download, no capture (a replayed step)
+    logits = "last" if plan.logprobs is not None else None
 
     def emit(text):
         pieces.append(text)
@@ -225,16 +327,22 @@ def _run(model, plan, stream_obj):
             sampler.accept(t)
         decoder = tok.stream_decoder()
         t0 = time.perf_counter()
-        # every token is drawn on the session's device: only its id comes back, never logits
-        token = _prefill(session, plan.ids, plan.progress, sampler if plan.max_new_tokens else None)
+        # every token is drawn on the session's device (from the same logits whether or not
+        # they also come back): tr.token is the next token, tr the pass that chose it
+        tr = _prefill(session, plan.ids, plan.progress, sampler if plan.max_new_tokens else None,
+                      logits, plan.evals)
         prefill_s = time.perf_counter() - t0
         if plan.max_new_tokens == 0:
             reason = "length"
         while reason == "cancelled":
             t0 = time.perf_counter()
-            token = int(token)
+            token = int(tr.token)
             sampler.accept(token)
             tokens.append(token)
+            if logprobs is not None:
+                logprobs.append(token_logprobs(tok, tr.logits[-1], token, plan.logprobs))
+            if traces is not None:
+                traces.append(tr)
             out = None
             if token in plan.eog:
                 reason = "eos"
@@ -250,7 +358,7 @@ def _run(model, plan, stream_obj):
                 else:
                     keep = _held_back(held, plan.stops) if plan.stops else 0
                     out, held = held[:len(held) - keep], held[len(held) - keep:]
-                    token = session.step(token, logits=None, sampler=sampler).token
+                    tr = session.step(token, logits=logits, sampler=sampler, **plan.evals)
             decode_s += time.perf_counter() - t0
             if out:
                 yield emit(out)
@@ -268,7 +376,7 @@ def _run(model, plan, stream_obj):
         total_s = time.perf_counter() - t_start
         stream_obj.result = Generation(
             text="".join(pieces), tokens=tokens, prompt_tokens=list(plan.ids),
-            stop_reason=reason,
+            stop_reason=reason, logprobs=logprobs, traces=traces,
             prefill_tokens_per_s=len(plan.ids) / prefill_s if prefill_s > 0 else 0.0,
             decode_tokens_per_s=len(tokens) / decode_s if decode_s > 0 and tokens else 0.0,
             timings={"prefill_s": prefill_s, "decode_s": decode_s, "total_s": total_s,
@@ -278,7 +386,8 @@ def _run(model, plan, stream_obj):
 
 def generate(model, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
              repeat_penalty=1.0, seed=0, stop=None, stream=False, allow_special=True, chat=False,
-             system=None, progress=False, max_context=None, repeat_last_n=64):
+             system=None, progress=False, max_context=None, repeat_last_n=64, capture=None,
+             logprobs=None):
     """Generate text after a prompt with a qwencuda Model.
 
     prompt: a str (tokenized with special tokens recognised when allow_special) or a list of
@@ -287,14 +396,19 @@ def generate(model, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=
     the Sampler's (temperature 0: greedy). stop: a str or list of str that end the text.
     max_context: the session's size (default: prompt + max_new_tokens, at most the model's
     training context). progress: a tqdm bar (stderr) over the prefill of long prompts.
+    capture: capture name pattern(s) as Model.forward takes them: Generation.traces gets one
+    Trace per generated token (module doc). logprobs: an int k >= 0: Generation.logprobs gets
+    one TokenLogprobs per generated token with the k most likely alternatives. Neither changes
+    the tokens drawn; without them no logits leave the device.
 
     Returns a Generation, or with stream=True a GenerationStream of text pieces whose
     `.result` is the Generation after the last piece. Bad arguments and prompts that do not
     fit raise ValueError at call time, before any work (also with stream=True)."""
     plan = _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p,
                  repeat_penalty, repeat_last_n, seed, stop, allow_special, chat, system,
-                 progress, max_context)
-    it = GenerationStream(lambda stream: _run(model, plan, stream))
+                 progress, max_context, capture=capture, logprobs=logprobs)
+    it = GenerationStream(lambda stream: _run(model, plan, stream),
+                          logprobs=plan.logprobs is not None, traces=bool(plan.evals.get("capture")))
     if stream:
         return it
     for _ in it:
