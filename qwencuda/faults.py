@@ -4,10 +4,11 @@
     s = qwencuda.reference.FaultySession(ref, ("kv_pos_stuck",)); s.prefill(ids); s.step(t)
 
 The reference (qwencuda/reference.py) is the correct maths only; its session runs the forward
-pass as a sequence of named steps (positions, rmsnorm, rope, matrix, bias, kv_head, attention,
-lm_head, logits) with the file's eps and theta as attributes. `Faults` below is a mixin that overrides those steps where a fault asks for it
-and otherwise defers to the reference (reference.FaultySession = Faults + RefSession). This
-module imports NumPy only, never the reference: the reference imports it.
+pass as a sequence of named steps (positions, rmsnorm, rope, matrix, bias, kv_head, store,
+scores, softmax, mix, lm_head, logits) with the file's eps and theta as attributes. `Faults`
+below is a mixin that overrides those steps where a fault asks for it and otherwise defers
+to the reference (reference.FaultySession = Faults + RefSession). This module imports NumPy
+only, never the reference: the reference imports it.
 
 FAULTS: name -> what the bug does. Each fault changes only what its description says.
 FIRST_AFFECTED: name -> the first capture, in forward order, whose values (or shape) it changes
@@ -155,16 +156,12 @@ class Faults:
             return np.arange(c.n_head) % c.n_head_kv
         return super()._kv_head()
 
-    def _attention(self, layer, q, k, v, pos):
+    # kv_pos_stuck: every token alone at slot 0, so each query sees exactly its own key and value
+
+    def _store(self, layer, k, v):
         if "kv_pos_stuck" not in self.faults:
-            return super()._attention(layer, q, k, v, pos)
-        # every token alone at slot 0: it sees exactly its own key and value
+            return super()._store(layer, k, v)
         c = self.model.config
-        kv = self._kv_head()
-        kh = k[:, kv, :].astype(np.float64)                                  # (n, H, hd)
-        scores = np.einsum("nhd,nhd->hn", q.astype(np.float64), kh)[:, :, None] * (1.0 / math.sqrt(c.head_dim))
-        probs = np.ones_like(scores)
-        ctx = v[:, kv, :].astype(np.float64)                                  # (n, H, hd)
         ck, cv = self._k[layer], self._v[layer]
         if len(ck) == 0:
             ck = np.zeros((1, c.n_head_kv, c.head_dim), np.float32)
@@ -172,7 +169,19 @@ class Faults:
         ck, cv = ck.copy(), cv.copy()
         ck[0], cv[0] = k[-1], v[-1]
         self._k[layer], self._v[layer] = ck, cv
-        return scores, probs, ctx
+
+    def _scores(self, layer, q, k, pos):
+        if "kv_pos_stuck" not in self.faults:
+            return super()._scores(layer, q, k, pos)
+        c = self.model.config
+        kh = k[:, self._kv_head(), :].astype(np.float64)                      # (n, H, hd)
+        return np.einsum("nhd,nhd->hn", q.astype(np.float64), kh)[:, :, None] * (1.0 / math.sqrt(c.head_dim))
+
+    def _mix(self, layer, probs, v):
+        if "kv_pos_stuck" not in self.faults:
+            return super()._mix(layer, probs, v)
+        vh = v[:, self._kv_head(), :].astype(np.float64)                      # (n, H, hd)
+        return np.asarray(probs, np.float64)[:, :, 0].T[:, :, None] * vh
 
     def _lm_head(self):
         head = super()._lm_head()

@@ -16,6 +16,14 @@ softmax, probs @ V) are computed in float64 and stored as float32. SiLU is float
 Faults (FAULTS, FIRST_AFFECTED, from qwencuda/faults.py): faults=("name", ...) runs the forward
 pass on a FaultySession, whose steps reproduce known engine bugs, so that a dump from a broken
 engine can be matched against it (qwencuda.diagnose). This file holds only the correct maths.
+
+Patches (patch=, as qwencuda.patching describes them, the same semantics as the C engine's):
+every tensor of a capture name passes through one helper right after it is computed (touch in
+_run); a patched one is replaced there by the patch's value, which everything after reads. So q
+and k patched before RoPE are rotated, k_rope and v patched enter the KV cache, patched
+attn_scores are softmaxed, patched attn_scores / attn_probs are multiplied by the cache's values
+(in float64, like the rest of the attention), the lm_head reads the patched output_norm (its rows
+that have logits), and argmax is that of the patched logits.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .faults import FAULTS, FIRST_AFFECTED, Faults, check as _check_faults
+from .patching import as_hook
 
 __all__ = ["RefConfig", "RefModel", "RefSession", "FaultySession", "FAULTS", "FIRST_AFFECTED",
            "load", "forward", "forward_steps", "greedy", "capture_names", "clear_cache"]
@@ -276,11 +285,11 @@ class RefSession:
         self._k = [k[:self.position] for k in self._k]
         self._v = [v[:self.position] for v in self._v]
 
-    def prefill(self, ids, capture=None, logits="last"):
-        return self._run(ids, capture, logits)
+    def prefill(self, ids, capture=None, logits="last", patch=None):
+        return self._run(ids, capture, logits, patch)
 
-    def step(self, token, capture=None):
-        return self._run([int(token)], capture, "last")
+    def step(self, token, capture=None, patch=None):
+        return self._run([int(token)], capture, "last", patch)
 
     # ---- the steps ------------------------------------------------------------------------
 
@@ -306,23 +315,28 @@ class RefSession:
         c = self.model.config
         return np.arange(c.n_head) // (c.n_head // c.n_head_kv)
 
-    def _attention(self, layer, q, k, v, pos):
-        """q (n, H, hd), k and v (n, Hkv, hd) of the new tokens at positions pos: appended to the
-        layer's KV cache, then each query attends to the keys at positions <= its own.
-        -> scores and probs (H, n, n_kv), ctx (n, H, hd), all float64."""
+    # The attention, in three steps so that a patch can change the scores or the probabilities
+    # in between: _store (the cache), _scores, softmax, _mix.
+
+    def _store(self, layer, k, v):
+        """The new tokens' k (after RoPE) and v (n, Hkv, hd) appended to the layer's KV cache."""
+        self._k[layer] = np.concatenate([self._k[layer], k], 0)             # (n_kv, Hkv, hd)
+        self._v[layer] = np.concatenate([self._v[layer], v], 0)
+
+    def _scores(self, layer, q, k, pos):
+        """q (n, H, hd) at positions pos against the cached keys (this call's k included)
+        -> (H, n, n_kv) float64, scaled by 1/sqrt(head_dim), -inf on keys after the query."""
         c = self.model.config
-        K = np.concatenate([self._k[layer], k], 0)                            # (n_kv, Hkv, hd)
-        V = np.concatenate([self._v[layer], v], 0)
-        self._k[layer], self._v[layer] = K, V
-        kv = self._kv_head()
-        Kh = K[:, kv, :].astype(np.float64)                                   # (n_kv, H, hd)
-        Vh = V[:, kv, :].astype(np.float64)
+        K = self._k[layer]
+        Kh = K[:, self._kv_head(), :].astype(np.float64)                     # (n_kv, H, hd)
         scores = np.einsum("nhd,thd->hnt", q.astype(np.float64), Kh) * (1.0 / math.sqrt(c.head_dim))
         after = np.arange(len(K))[None, :] > pos[:, None]                    # key after query
-        scores = np.where(after[None], -np.inf, scores)
-        probs = _softmax(scores)
-        ctx = np.einsum("hnt,thd->nhd", probs, Vh)
-        return scores, probs, ctx
+        return np.where(after[None], -np.inf, scores)
+
+    def _mix(self, layer, probs, v):
+        """probs (H, n, n_kv) @ the cached values (this call's v included) -> (n, H, hd) float64."""
+        Vh = self._v[layer][:, self._kv_head(), :].astype(np.float64)        # (n_kv, H, hd)
+        return np.einsum("hnt,thd->nhd", np.asarray(probs, np.float64), Vh)
 
     def _lm_head(self):
         return self.model.lm_head
@@ -333,50 +347,41 @@ class RefSession:
 
     # ---- the forward pass -----------------------------------------------------------------
 
-    def _layer(self, L, x, pos, keep):
-        """Transformer block L on the residual stream x (n, dim) -> the new residual stream."""
+    def _layer(self, L, x, pos, touch):
+        """Transformer block L on the residual stream x (n, dim) -> the new residual stream.
+        touch(name, value) -> value, or the patch's value for it (see _run)."""
         c, w, p = self.model.config, self.model.weights, f"blk.{L}."
         n = len(x)
         # attention
-        h = self._rmsnorm(x, w[p + "attn_norm.weight"])
-        keep(p + "attn_norm", h)
+        h = touch(p + "attn_norm", self._rmsnorm(x, w[p + "attn_norm.weight"]))
         q = _matmul(h, self._matrix(p + "attn_q.weight")) + self._bias(p + "attn_q.bias")
         k = _matmul(h, self._matrix(p + "attn_k.weight")) + self._bias(p + "attn_k.bias")
         v = _matmul(h, self._matrix(p + "attn_v.weight")) + self._bias(p + "attn_v.bias")
-        q = q.reshape(n, c.n_head, c.head_dim)
-        k = k.reshape(n, c.n_head_kv, c.head_dim)
-        v = v.reshape(n, c.n_head_kv, c.head_dim)
-        keep(p + "q", q)
-        keep(p + "k", k)
-        keep(p + "v", v)
-        q, k = self._rope(q, pos), self._rope(k, pos)
-        keep(p + "q_rope", q)
-        keep(p + "k_rope", k)
-        scores, probs, ctx = self._attention(L, q, k, v, pos)
-        keep(p + "attn_scores", scores.astype(np.float32))
-        keep(p + "attn_probs", probs.astype(np.float32))
-        attn_out = ctx.reshape(n, c.n_head * c.head_dim).astype(np.float32)
-        keep(p + "attn_out", attn_out)
-        proj = _matmul(attn_out, self._matrix(p + "attn_output.weight"))
-        keep(p + "attn_proj", proj)
-        x = x + proj
-        keep(p + "resid_mid", x)
+        q = touch(p + "q", q.reshape(n, c.n_head, c.head_dim))
+        k = touch(p + "k", k.reshape(n, c.n_head_kv, c.head_dim))
+        v = touch(p + "v", v.reshape(n, c.n_head_kv, c.head_dim))
+        q = touch(p + "q_rope", self._rope(q, pos))
+        k = touch(p + "k_rope", self._rope(k, pos))
+        self._store(L, k, v)
+        scores = touch(p + "attn_scores", self._scores(L, q, k, pos))
+        probs = touch(p + "attn_probs", self._softmax(scores))
+        ctx = self._mix(L, probs, v)
+        attn_out = touch(p + "attn_out", ctx.reshape(n, c.n_head * c.head_dim).astype(np.float32))
+        proj = touch(p + "attn_proj", _matmul(attn_out, self._matrix(p + "attn_output.weight")))
+        x = touch(p + "resid_mid", x + proj)
         # feed-forward
-        h = self._rmsnorm(x, w[p + "ffn_norm.weight"])
-        keep(p + "ffn_norm", h)
-        gate = _matmul(h, self._matrix(p + "ffn_gate.weight"))
-        up = _matmul(h, self._matrix(p + "ffn_up.weight"))
-        keep(p + "gate", gate)
-        keep(p + "up", up)
-        act = _silu(gate) * up
-        keep(p + "ffn_act", act)
-        down = _matmul(act, self._matrix(p + "ffn_down.weight"))
-        keep(p + "ffn_out", down)
-        x = x + down
-        keep(p + "resid_out", x)
-        return x
+        h = touch(p + "ffn_norm", self._rmsnorm(x, w[p + "ffn_norm.weight"]))
+        gate = touch(p + "gate", _matmul(h, self._matrix(p + "ffn_gate.weight")))
+        up = touch(p + "up", _matmul(h, self._matrix(p + "ffn_up.weight")))
+        act = touch(p + "ffn_act", _silu(gate) * up)
+        down = touch(p + "ffn_out", _matmul(act, self._matrix(p + "ffn_down.weight")))
+        return touch(p + "resid_out", x + down)
 
-    def _run(self, ids, capture, logits):
+    def _softmax(self, scores):
+        """Row softmax of the scores (H, n, n_kv) -> float64 probabilities."""
+        return _softmax(np.asarray(scores, np.float64))
+
+    def _run(self, ids, capture, logits, patch=None):
         m, c = self.model, self.model.config
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = len(ids)
@@ -389,25 +394,28 @@ class RefSession:
         if self.position + n > self.max_context:
             raise ValueError(f"{self.position + n} tokens exceed max_context {self.max_context}")
         want = _selector(capture, c.n_layer)
+        patched, hook = as_hook(patch, capture_names(c.n_layer), c.n_head)
+        patched = frozenset(patched or ())
         out = {}
 
-        def keep(name, value):
+        def touch(name, value):
+            """The tensor `name` was just computed as value: -> the value the rest of the pass
+            reads (the patch's, where patch names it), captured (as float32) when asked for."""
+            if name in patched:
+                value = hook(name, value)
             if name in want:
-                out[name] = np.array(value, copy=True)
+                out[name] = np.array(value, dtype=np.float32 if value.dtype == np.float64 else None)
+            return value
 
         pos = self._positions(n)
-        x = m.weights["token_embd.weight"][ids].astype(np.float32)       # (n, dim)
-        keep("embed", x)
+        x = touch("embed", m.weights["token_embd.weight"][ids].astype(np.float32))   # (n, dim)
         for L in range(c.n_layer):
-            x = self._layer(L, x, pos, keep)
+            x = self._layer(L, x, pos, touch)
         self.position += n
-        h = self._rmsnorm(x, m.weights["output_norm.weight"])
-        keep("output_norm", h)
+        h = touch("output_norm", self._rmsnorm(x, m.weights["output_norm.weight"]))
         rows = np.arange(n) if logits == "all" else np.array([n - 1])
-        lg = self._logits(_matmul(h[rows], self._lm_head()).astype(np.float32))
-        am = lg.argmax(-1).astype(np.int32)
-        keep("logits", lg)
-        keep("argmax", am)
+        lg = touch("logits", self._logits(_matmul(h[rows], self._lm_head()).astype(np.float32)))
+        am = touch("argmax", lg.argmax(-1).astype(np.int32))
         return _make_trace(out, lg, am, ids.astype(np.int32), pos.astype(np.int32),
                            pos[rows].astype(np.int32))
 
@@ -426,25 +434,26 @@ def _session(model, faults=()):
 # --------------------------------------------------------------------------------------------
 # Entry points
 
-def forward(model, ids, capture="*", logits="all", faults=()):
+def forward(model, ids, capture="*", logits="all", faults=(), patch=None):
     """One pass over ids from position 0 -> Trace (source "reference").
 
     model: a RefModel, or a path / qwencuda.GGUFFile (loaded and cached, one at a time).
     capture: glob pattern(s) of capture names ("*" all, None nothing); logits: "all" or "last";
-    faults: names of FAULTS to reproduce."""
-    return _session(model, faults).prefill(ids, capture=capture, logits=logits)
+    faults: names of FAULTS to reproduce; patch: {capture name or glob: edit} (qwencuda.patching)."""
+    return _session(model, faults).prefill(ids, capture=capture, logits=logits, patch=patch)
 
 
-def forward_steps(model, ids, n_prefill, capture="*", faults=()):
+def forward_steps(model, ids, n_prefill, capture="*", faults=(), patch=None):
     """Prefill ids[:n_prefill] (logits "last"), then one step per remaining id -> list of Traces
-    (1 + len(ids) - n_prefill of them). Reproduces decode-time behaviour (KV cache, positions)."""
+    (1 + len(ids) - n_prefill of them). Reproduces decode-time behaviour (KV cache, positions).
+    patch applies to every call (the prefill and each step), with each call's shapes."""
     ids = [int(t) for t in np.asarray(ids).reshape(-1)]
     if not 1 <= n_prefill <= len(ids):
         raise ValueError(f"n_prefill must lie in [1, {len(ids)}]")
     s = _session(model, faults)
-    traces = [s.prefill(ids[:n_prefill], capture=capture, logits="last")]
+    traces = [s.prefill(ids[:n_prefill], capture=capture, logits="last", patch=patch)]
     for t in ids[n_prefill:]:
-        traces.append(s.step(t, capture=capture))
+        traces.append(s.step(t, capture=capture, patch=patch))
     return traces
 
 
