@@ -77,10 +77,13 @@ class TokenLogprobs:
 
 def log_softmax(logits) -> np.ndarray:
     """float64 log-probabilities of one row of logits. NaN counts as -inf (as for the sampler)."""
-    x = np.asarray(logits, dtype=np.float64).reshape(-1)
-    x = np.where(np.isnan(x), -np.inf, x)
+    x = np.array(logits, dtype=np.float64).reshape(-1)   # a copy: changed in place below
+    nan = np.isnan(x)
+    if nan.any():
+        x[nan] = -np.inf
     top = np.max(x)
-    return x - (top + np.log(np.sum(np.exp(x - top))))
+    x -= top + np.log(np.sum(np.exp(x - top)))
+    return x
 
 
 def _top_ids(lp, k) -> np.ndarray:

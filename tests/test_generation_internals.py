@@ -43,6 +43,17 @@ def _check_token_logprobs(tok, entry, row, token, k):
         assert text == tok.decode([t]) and v == pytest.approx(lp[t], abs=1e-9)
 
 
+def test_log_softmax_in_float64_nan_as_minus_inf():
+    row = np.array([1.0, np.nan, 3.0, -np.inf, 3.0], dtype=np.float32)
+    lp = gen_mod.log_softmax(row)
+    assert lp.dtype == np.float64 and np.isnan(row[1])          # the caller's row untouched
+    finite = _logprobs(row[[0, 2, 4]])
+    np.testing.assert_allclose(lp[[0, 2, 4]], finite, rtol=0, atol=1e-15)
+    assert lp[1] == lp[3] == -np.inf
+    big = np.random.default_rng(0).standard_normal(151936).astype(np.float32) * 30
+    np.testing.assert_allclose(gen_mod.log_softmax(big), _logprobs(big), rtol=0, atol=1e-12)
+
+
 # ---------------------------------------------------------------- the loop, on a fake engine
 
 @pytest.fixture
