@@ -10,6 +10,9 @@
 #include <string.h>
 
 #include "quants.h"
+#ifdef QC_HAVE_CUDA
+#include "../kernels/qc_cuda_api.h"
+#endif
 
 /* Metadata defaults, as llama.cpp applies them for qwen2 files that lack the key. */
 #define QC_DEFAULT_ROPE_THETA 10000.0f
@@ -236,6 +239,115 @@ static int check_tensors(const gguf_file *f, const qc_config *c, qc_error *err) 
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* memory: a model that does not fit is refused before anything is placed */
+
+#define QC_GIB (1024.0 * 1024.0 * 1024.0)
+
+/* A backend that copies the matrices into its own memory (CUDA) rather than reading them from the
+ * file mapping (the CPU: weight_load aliases w->data = w->host). */
+static int copies_matrices(const qc_backend *be) { return strcmp(be->name, "cpu") != 0; }
+
+/* The bytes qc_model_load places in be's memory: every matrix as stored (the lm_head once when
+ * tied) where the backend copies matrices, and every norm and bias as float32 (load_vector). */
+static void backend_bytes(const gguf_file *f, const qc_config *c, int matrices, size_t *mat_bytes,
+                          size_t *vec_bytes) {
+    char name[96];
+    size_t mb = 0, vb = 0;
+    const gguf_tensor *t = gguf_find_tensor(f, "token_embd.weight");
+    mb += t->nbytes;
+    if (!c->tied) mb += gguf_find_tensor(f, "output.weight")->nbytes;
+    vb += (size_t)c->dim * sizeof(float);   /* output_norm */
+    for (int64_t l = 0; l < c->n_layer; l++) {
+        for (size_t i = 0; i < qc_n_layer_tensors; i++) {
+            const qc_layer_tensor *lt = &qc_layer_tensors[i];
+            snprintf(name, sizeof name, "blk.%lld.%s", (long long)l, lt->suffix);
+            t = gguf_find_tensor(f, name);
+            if (lt->kind == QC_LT_MATRIX) mb += t->nbytes;
+            else vb += (size_t)t->ne[0] * sizeof(float);
+        }
+    }
+    *mat_bytes = matrices ? mb : 0;
+    *vec_bytes = vb;
+}
+
+/* The bytes a model may place on be: the device's free memory on CUDA, and no more than
+ * QWENCUDA_MEMORY_LIMIT (bytes) when that is set (to share a GPU, or to try the refusal below on
+ * any machine). *limit_name says which bound it is; SIZE_MAX: no bound (the CPU without the
+ * variable). */
+static int backend_room(const qc_backend *be, size_t *room, size_t *total, const char **limit_name,
+                        qc_error *err) {
+    *room = SIZE_MAX;
+    *total = 0;
+    *limit_name = NULL;
+    (void)be;   /* used in CUDA builds only */
+#ifdef QC_HAVE_CUDA
+    if (copies_matrices(be)) {
+        if (qc_cuda_mem_info(be->device, room, total, err) < 0) return -1;
+        *limit_name = "free";
+    }
+#endif
+    const char *env = getenv("QWENCUDA_MEMORY_LIMIT");
+    if (env != NULL && *env != '\0') {
+        char *end = NULL;
+        const unsigned long long v = strtoull(env, &end, 10);
+        if (end == env || *end != '\0' || env[0] == '-')
+            return qc_fail(err, QC_ERR_VALUE, "QWENCUDA_MEMORY_LIMIT='%.40s': expected a number of bytes", env);
+        if ((size_t)v < *room) {
+            *room = (size_t)v;
+            *limit_name = "QWENCUDA_MEMORY_LIMIT";
+        }
+    }
+    return 0;
+}
+
+/* 0 when the weights fit in the room the backend has; else QC_ERR_NOMEM (MemoryError) saying the
+ * model's size and the room. */
+static int check_fits(const qc_model *m, const char *path, qc_error *err) {
+    const qc_backend *be = m->be;
+    size_t mat, vec, room, total;
+    const char *limit;
+    char where[32];
+    backend_bytes(m->file, &m->cfg, copies_matrices(be), &mat, &vec);
+    if (backend_room(be, &room, &total, &limit, err) < 0) return -1;
+    if (mat + vec <= room) return 0;
+    if (copies_matrices(be)) snprintf(where, sizeof where, "%s:%d", be->name, be->device);
+    else snprintf(where, sizeof where, "%s", be->name);
+    if (limit != NULL && strcmp(limit, "free") == 0)
+        return qc_fail(err, QC_ERR_NOMEM,
+                       "%.200s does not fit: its weights need %zu bytes (%.2f GiB: matrices %.2f GiB as "
+                       "stored, norms and biases %.1f MiB as float32) on %s, which has %zu bytes "
+                       "(%.2f GiB) free of %.2f GiB; the KV cache comes on top. Use a smaller "
+                       "quantization (Q4_K_M is about 30%% of F16's size) or free the GPU",
+                       path, mat + vec, (double)(mat + vec) / QC_GIB, (double)mat / QC_GIB,
+                       (double)vec / (1024.0 * 1024.0), where, room, (double)room / QC_GIB,
+                       (double)total / QC_GIB);
+    return qc_fail(err, QC_ERR_NOMEM,
+                   "%.200s does not fit: its weights need %zu bytes (%.2f GiB: matrices %.2f GiB as "
+                   "stored, norms and biases %.1f MiB as float32) on %s, more than "
+                   "QWENCUDA_MEMORY_LIMIT = %zu bytes",
+                   path, mat + vec, (double)(mat + vec) / QC_GIB, (double)mat / QC_GIB,
+                   (double)vec / (1024.0 * 1024.0), where, room);
+}
+
+/* A weight that could not be placed: when the device has too little free memory left for it (the
+ * model fitted at the check, but another process took memory since), QC_ERR_NOMEM; else the
+ * backend's error as it is. */
+static int place_failed(const qc_model *m, const char *name, size_t bytes, qc_error *err) {
+    const qc_backend *be = m->be;
+    size_t free_b = SIZE_MAX, total_b = 0;
+#ifdef QC_HAVE_CUDA
+    qc_error ignored;
+    if (copies_matrices(be) && qc_cuda_mem_info(be->device, &free_b, &total_b, &ignored) < 0)
+        free_b = SIZE_MAX;
+#endif
+    if (be->err.kind == QC_ERR_NOMEM || free_b < bytes)
+        return qc_fail(err, QC_ERR_NOMEM, "%s: out of memory placing %zu bytes on %s:%d (%zu bytes "
+                       "free of %zu now): %s", name, bytes, be->name, be->device, free_b, total_b,
+                       be->err.msg);
+    return qc_fail(err, be->err.kind, "%s: %s", name, be->err.msg);
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* placing weights on the backend */
 
 static int load_matrix(qc_model *m, const char *name, qc_weight *w, qc_error *err) {
@@ -248,7 +360,7 @@ static int load_matrix(qc_model *m, const char *name, qc_weight *w, qc_error *er
     w->host = t->data;
     if (m->be->ops->weight_load(m->be, w) < 0) {
         w->data = NULL;
-        return qc_fail(err, m->be->err.kind, "%s: %s", name, m->be->err.msg);
+        return place_failed(m, name, w->nbytes, err);
     }
     return 0;
 }
@@ -268,7 +380,7 @@ static int load_vector(qc_model *m, const char *name, float **out, qc_error *err
     }
     if (qc_dequantize(t->type, t->data, host, 1, t->ne[0], err) < 0) goto fail;
     if (be->ops->alloc(be, bytes, &dev) < 0 || be->ops->upload(be, dev, host, bytes) < 0) {
-        qc_fail(err, be->err.kind, "%s: %s", name, be->err.msg);
+        place_failed(m, name, bytes, err);
         goto fail;
     }
     free(host);
@@ -291,6 +403,7 @@ int qc_model_load(const char *path, const char *device, int threads, qc_model **
     if (qc_config_from_gguf(m->file, &m->cfg, err) < 0) goto fail;
     if (check_tensors(m->file, &m->cfg, err) < 0) goto fail;
     if (qc_backend_create(device, threads, &m->be, err) < 0) goto fail;
+    if (check_fits(m, path, err) < 0) goto fail;
 
     c = &m->cfg;
     m->layers = calloc((size_t)c->n_layer, sizeof *m->layers);

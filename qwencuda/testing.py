@@ -624,6 +624,43 @@ def _values(name: str, shape: tuple, cfg: dict, seed: int) -> np.ndarray:
     return x
 
 
+def write_metadata(w, cfg: dict, name: str, file_type: int, seed=0, vocab=None, alignment=None):
+    """Add the qwen2 metadata of config cfg (resolve_config's dict) and, unless vocab is False,
+    the tokenizer and chat template to the gguf.GGUFWriter w (before its header is written).
+    file_type: general.file_type (LLAMA_FTYPE_*); seed, vocab, alignment: as in write_model.
+    Shared by write_model and qwencuda.synthetic.write_random_model."""
+    gguf = _gguf()
+    w.add_type("model")
+    w.add_name(name)
+    w.add_context_length(cfg["n_ctx_train"])
+    w.add_embedding_length(cfg["dim"])
+    w.add_block_count(cfg["n_layer"])
+    w.add_feed_forward_length(cfg["ffn_dim"])
+    w.add_head_count(cfg["n_head"])
+    w.add_head_count_kv(cfg["n_head_kv"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["norm_eps"])
+    w.add_file_type(file_type)
+    if alignment is not None:
+        w.add_custom_alignment(int(alignment))
+    if vocab is not False:
+        tokens, types, merges, special = make_vocab(cfg["n_vocab"], seed) if vocab is None else vocab
+        if len(tokens) != cfg["n_vocab"] or len(types) != len(tokens):
+            raise ValueError(f"vocab has {len(tokens)} tokens / {len(types)} types, "
+                             f"config n_vocab is {cfg['n_vocab']}")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(list(tokens))
+        w.add_token_types(list(types))
+        w.add_token_merges(list(merges))
+        w.add_eos_token_id(special["<|im_end|>"])
+        w.add_pad_token_id(special["<|endoftext|>"])
+        w.add_bos_token_id(special["<|endoftext|>"])
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHAT_TEMPLATE)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
 def write_model(path, config="tiny", weight_type="f32", seed=0, tied=None, vocab=None, alignment=None):
     """Write a synthetic Qwen2 GGUF file and return its path.
 
@@ -646,35 +683,8 @@ def write_model(path, config="tiny", weight_type="f32", seed=0, tied=None, vocab
     path = os.fspath(path)
 
     w = gguf.GGUFWriter(path, "qwen2")
-    w.add_type("model")
-    w.add_name(f"qwencuda synthetic {config if isinstance(config, str) else 'custom'} {weight_type}")
-    w.add_context_length(cfg["n_ctx_train"])
-    w.add_embedding_length(cfg["dim"])
-    w.add_block_count(cfg["n_layer"])
-    w.add_feed_forward_length(cfg["ffn_dim"])
-    w.add_head_count(cfg["n_head"])
-    w.add_head_count_kv(cfg["n_head_kv"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["norm_eps"])
-    w.add_file_type(_FILE_TYPE[weight_type])
-    if alignment is not None:
-        w.add_custom_alignment(int(alignment))
-    if vocab is not False:
-        tokens, types, merges, special = make_vocab(cfg["n_vocab"], seed) if vocab is None else vocab
-        if len(tokens) != cfg["n_vocab"] or len(types) != len(tokens):
-            raise ValueError(f"vocab has {len(tokens)} tokens / {len(types)} types, "
-                             f"config n_vocab is {cfg['n_vocab']}")
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(list(tokens))
-        w.add_token_types(list(types))
-        w.add_token_merges(list(merges))
-        w.add_eos_token_id(special["<|im_end|>"])
-        w.add_pad_token_id(special["<|endoftext|>"])
-        w.add_bos_token_id(special["<|endoftext|>"])
-        w.add_add_bos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    write_metadata(w, cfg, f"qwencuda synthetic {config if isinstance(config, str) else 'custom'} {weight_type}",
+                   _FILE_TYPE[weight_type], seed=seed, vocab=vocab, alignment=alignment)
 
     # tensor infos first, then the data one tensor at a time (the 0.5B shapes never sit in memory
     # all at once)
