@@ -23,6 +23,7 @@ typedef enum {
     QC_ERR_NOMEM,   /* host allocation failed: MemoryError                 */
     QC_ERR_IO,      /* open/mmap/read failed: OSError                      */
     QC_ERR_RANGE,   /* token id / context overflow: IndexError-ish -> ValueError */
+    QC_ERR_CALLBACK,/* a caller's callback failed and set its own error (a Python exception) */
 } qc_errkind;
 
 typedef struct qc_error {

@@ -12,6 +12,8 @@ PyObject *qc_CudaError = NULL;
 
 PyObject *qc_py_raise(const qc_error *err) {
     PyObject *type;
+    /* a patch callback's own exception is the error to see */
+    if (err->kind == QC_ERR_CALLBACK && PyErr_Occurred()) return NULL;
     switch (err->kind) {
     case QC_ERR_GGUF: type = qc_GGUFError; break;
     case QC_ERR_MODEL: type = qc_ModelError; break;

@@ -39,6 +39,18 @@ struct SessionObject {
 
 static PyTypeObject *Session_type = NULL;
 
+/* Set while a patch function (call_patch) runs on this thread, inside an eval that holds its
+ * model's lock: an eval, a new session or a close from the patch function would wait for that
+ * lock forever, so they are refused instead. */
+static _Thread_local int in_patch;
+
+static int refused_in_patch(void) {
+    if (!in_patch) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "a patch function cannot run, open or close a model or session: "
+                                        "the eval that called it holds the model");
+    return 1;
+}
+
 /* Take the model's lock, letting other Python threads run while waiting for it. */
 static void model_lock(ModelObject *mo) {
     if (!PyThread_acquire_lock(mo->lock, NOWAIT_LOCK)) {
@@ -201,15 +213,57 @@ done:
     return rc;
 }
 
-/* eval(ids, logits="last", capture=None, sampler=None, attn_rows=None)
+/* The C side of a patch (qc_patch_fn): hook(name, copy of the tensor) -> None (keep it) or the new
+ * value, which must have the tensor's shape (qwencuda.patching.as_hook makes sure it does). Runs
+ * with the GIL taken back from the eval that released it; a Python exception stays set and the
+ * eval fails with QC_ERR_CALLBACK. The hook must not use the model itself (see in_patch). */
+static int call_patch(void *ctx, const char *name, float *data, int ndim, const int64_t shape[3]) {
+    PyObject *hook = ctx, *arr = NULL, *res = NULL, *out = NULL;
+    npy_intp dims[3] = {(npy_intp)shape[0], (npy_intp)shape[1], (npy_intp)shape[2]};
+    size_t count = 1;
+    int rc = -1;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    for (int d = 0; d < ndim; d++) count *= (size_t)dims[d];
+    if ((arr = PyArray_SimpleNew(ndim, dims, NPY_FLOAT32)) == NULL) goto done;
+    memcpy(PyArray_DATA((PyArrayObject *)arr), data, count * sizeof(float));
+    in_patch = 1;
+    res = PyObject_CallFunction(hook, "sO", name, arr);
+    in_patch = 0;
+    if (res == NULL) goto done;
+    if (res == Py_None) {
+        rc = 0;
+        goto done;
+    }
+    out = PyArray_FROMANY(res, NPY_FLOAT32, 0, 0, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (out == NULL) goto done;
+    if (PyArray_NDIM((PyArrayObject *)out) != ndim ||
+        !PyArray_CompareLists(PyArray_DIMS((PyArrayObject *)out), dims, ndim)) {
+        PyErr_Format(PyExc_ValueError, "patch of %s returned an array of the wrong shape", name);
+        goto done;
+    }
+    memcpy(data, PyArray_DATA((PyArrayObject *)out), count * sizeof(float));
+    rc = 0;
+done:
+    Py_XDECREF(arr);
+    Py_XDECREF(res);
+    Py_XDECREF(out);
+    PyGILState_Release(gil);
+    return rc;
+}
+
+/* eval(ids, logits="last", capture=None, sampler=None, attn_rows=None, patch=None)
  *   -> (start, logits | None, argmax | None, {name: array}, token | None)
  * logits: "all" (a row per token), "last" (one row) or None (none downloaded; no lm_head at all
  * unless a sampler draws). sampler: a Sampler whose draw from the last row runs on the backend.
- * attn_rows: the query rows (0 .. n-1, increasing) whose attn_scores / attn_probs are captured. */
+ * attn_rows: the query rows (0 .. n-1, increasing) whose attn_scores / attn_probs are captured.
+ * patch: None or (names, hook): the tensors named (capture names or globs) go through
+ * hook(name, value) -> new value or None (see call_patch). */
 static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"ids", "logits", "capture", "sampler", "attn_rows", NULL};
+    static char *kwlist[] = {"ids", "logits", "capture", "sampler", "attn_rows", "patch", NULL};
     PyObject *ids_obj = NULL, *logits_obj = Py_None, *capture = Py_None, *sampler_obj = Py_None;
-    PyObject *rows_obj = Py_None;
+    PyObject *rows_obj = Py_None, *patch_obj = Py_None, *patch_names = Py_None, *hook = NULL, *patch_seq = NULL;
+    const char **patch_pats = NULL;
+    int n_patch = 0;
     qc_sampler *sampler = NULL;
     qc_sample_state *sample = NULL;
     PyObject *seq = NULL, *logits = NULL, *argmax = NULL, *tensors = NULL, *result = NULL;
@@ -219,10 +273,18 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
     qc_eval_result res = {0};
     qc_error err = {0};
     res.drawn.token = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOO:eval", kwlist, &ids_obj, &logits_obj, &capture,
-                                     &sampler_obj, &rows_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOO:eval", kwlist, &ids_obj, &logits_obj, &capture,
+                                     &sampler_obj, &rows_obj, &patch_obj))
         return NULL;
+    if (patch_obj != Py_None) {
+        if (!PyArg_ParseTuple(patch_obj, "OO:patch", &patch_names, &hook)) return NULL;
+        if (!PyCallable_Check(hook)) {
+            PyErr_SetString(PyExc_TypeError, "patch: (names, hook) needs a callable hook");
+            return NULL;
+        }
+    }
     if (!session_usable(so)) return NULL;
+    if (refused_in_patch()) return NULL;
     const qc_config *cfg = &so->model->m->cfg;
     if (sampler_obj != Py_None) {
         if ((sampler = qc_py_sampler_of(sampler_obj)) == NULL) return NULL;
@@ -244,6 +306,7 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
     if ((ids = ids_from(ids_obj, &n)) == NULL) goto fail;
     if (patterns_from(capture, &seq, &pats, &n_pats) < 0) goto fail;
     if (rows_from(rows_obj, &attn_rows, &n_rows) < 0) goto fail;
+    if (patch_obj != Py_None && patterns_from(patch_names, &patch_seq, &patch_pats, &n_patch) < 0) goto fail;
     if (sampler) {
         /* exported with the GIL held: the Sampler object is not touched while it is released */
         if ((sample = malloc(qc_sampler_state_bytes(sampler))) == NULL) {
@@ -253,7 +316,9 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
         qc_sampler_export(sampler, sample);
     }
     qc_capture_spec spec = {pats, n_pats};
-    qc_eval_request req = {ids, n, all_logits, want_logits, n_pats ? &spec : NULL, attn_rows, n_rows, sample};
+    qc_patch_spec patch = {patch_pats, n_patch, call_patch, hook};
+    qc_eval_request req = {ids, n, all_logits, want_logits, n_pats ? &spec : NULL, attn_rows, n_rows, sample,
+                           n_patch ? &patch : NULL};
     ModelObject *mo = so->model;
     qc_session *s = so->s;
     /* the budget and every argument before the logits are allocated (a refused eval allocates
@@ -305,7 +370,9 @@ fail:
     free(ids);
     free(attn_rows);
     free(pats);
+    free(patch_pats);
     Py_XDECREF(seq);
+    Py_XDECREF(patch_seq);
     Py_XDECREF(logits);
     Py_XDECREF(argmax);
     Py_XDECREF(tensors);
@@ -336,6 +403,7 @@ static PyObject *Session_rewind(SessionObject *so, PyObject *arg) {
 static PyObject *Session_close(SessionObject *so, PyObject *noargs) {
     (void)noargs;
     if (so->s == NULL) Py_RETURN_NONE;
+    if (refused_in_patch()) return NULL;
     if (so->busy) {
         PyErr_SetString(PyExc_RuntimeError, "the session is running in another thread");
         return NULL;
@@ -570,6 +638,7 @@ static PyObject *Model_session(ModelObject *mo, PyObject *args, PyObject *kwds) 
         PyErr_Format(PyExc_ValueError, "kv_type must be 'f16' or 'f32', got '%s'", kv_name);
         return NULL;
     }
+    if (refused_in_patch()) return NULL;
     SessionObject *so = PyObject_New(SessionObject, Session_type);
     if (so == NULL) return NULL;
     Py_INCREF(mo);

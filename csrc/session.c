@@ -8,7 +8,9 @@
  * join the cache before the next chunk attends to them, so the result is the same as one pass.
  *
  * Capture copies a named activation to host memory right after the step that produced it, and
- * only when one of the caller's patterns names it. Every captured tensor is allocated, at its
+ * only when one of the caller's patterns names it. A patch (qc_patch_spec) hands the same host
+ * copy to the caller's function first and uploads what it returns, so the rest of the forward
+ * pass reads the patched value. Every captured tensor is allocated, at its
  * full size, before any work, and the sum is checked against the capture budget first, so a
  * capture that cannot fit is refused with MemoryError instead of killing the process.
  * Attention scores and probabilities are recomputed for the captured query rows by the exact
@@ -123,9 +125,10 @@ struct qc_session {
     size_t sample_state_cap;
     void *sample_work;        /* (qc_sample_work_bytes(n_vocab)) */
     void *sample_result;      /* one qc_sample_result */
-    /* this eval's captures: slot[name] = index into the result's items, or -1 */
+    /* this eval's captures: slot[name] = index into the result's items, or -1; and patches */
     int *slot;                /* [CAP_N_GLOBAL + n_layer * L_N_NAMES], all -1 unless marked */
-    int slots_marked;         /* the last eval captured something: slot[] needs clearing */
+    char *patched;            /* [same]: 1 where this eval's patch names the tensor */
+    int slots_marked;         /* the last eval captured or patched: slot[], patched[] need clearing */
 };
 
 /* What one eval does, decided once before any work. */
@@ -140,7 +143,9 @@ typedef struct {
     int do_argmax, do_sample;
     int defer_download;       /* the recorded decode step: logits are downloaded after replay */
     int n_captured;
+    int n_patched;
     int n_attn_q;             /* query rows of the captured attn_scores / attn_probs */
+    int head_block;           /* lm_head rows computed at once: QC_HEAD_ROWS, or all when patched */
 } eval_plan;
 
 /* ---------------------------------------------------------------------------------------- */
@@ -158,7 +163,16 @@ static size_t n_names(const qc_session *s) { return CAP_N_GLOBAL + (size_t)s->m-
 static int layer_slot(const qc_session *s, int layer, int which) {
     return s->slot[CAP_N_GLOBAL + (size_t)layer * L_N_NAMES + which];
 }
-static int layer_wants(const qc_session *s, int layer, int which) { return layer_slot(s, layer, which) >= 0; }
+static size_t layer_index(const qc_session *s, int layer, int which) {
+    (void)s;
+    return CAP_N_GLOBAL + (size_t)layer * L_N_NAMES + (size_t)which;
+}
+/* The eval captures or patches this tensor: the ops that skip it (fused) must not run. */
+static int layer_wants(const qc_session *s, int layer, int which) {
+    const size_t i = layer_index(s, layer, which);
+    return s->slot[i] >= 0 || s->patched[i];
+}
+static int layer_patched(const qc_session *s, int layer, int which) { return s->patched[layer_index(s, layer, which)]; }
 
 static void name_of(const qc_session *s, size_t i, char *buf, size_t size) {
     (void)s;
@@ -245,6 +259,30 @@ static void plan_eval(const qc_session *s, const qc_eval_request *req, qc_eval_r
     p->head_rows = req->all_logits ? req->n : 1;
     p->do_sample = req->sample != NULL;
     p->n_attn_q = req->attn_rows ? req->n_attn_rows : req->n;
+    p->head_block = QC_HEAD_ROWS;
+}
+
+static int is_argmax(size_t i) { return i == CAP_ARGMAX; }
+
+/* Host bytes this eval's patches take while their function runs (the largest one; and how
+ * many names), by the shapes of plan p. */
+static size_t patch_bytes(const qc_session *s, const eval_plan *p, int *count) {
+    const qc_patch_spec *patch = p->req->patch;
+    char name[64];
+    int64_t d[3];
+    int dtype;
+    size_t most = 0;
+    *count = 0;
+    if (patch == NULL || patch->n_patterns <= 0) return 0;
+    const qc_capture_spec as_spec = {patch->patterns, patch->n_patterns};
+    for (size_t i = 0; i < n_names(s); i++) {
+        name_of(s, i, name, sizeof name);
+        if (is_argmax(i) || !matches(&as_spec, name)) continue;
+        const size_t b = bytes_of(shape_of(s, p, i, d, &dtype), d);
+        if (b > most) most = b;
+        (*count)++;
+    }
+    return most;
 }
 
 /* Host bytes this eval's captures take (and how many names), by the shapes of plan p. */
@@ -278,6 +316,8 @@ int qc_session_check(const qc_session *s, const qc_eval_request *req, qc_error *
                            (int)req->ids[t], t, s->pos + t, (long long)c->n_vocab);
     if (req->sample && req->sample->n_history < 0)
         return qc_fail(err, QC_ERR_VALUE, "sampler state with %d penalty tokens", (int)req->sample->n_history);
+    if (req->patch && req->patch->fn == NULL)
+        return qc_fail(err, QC_ERR_VALUE, "a patch without a function");
     if (req->attn_rows) {
         if (req->n_attn_rows < 1)
             return qc_fail(err, QC_ERR_VALUE, "attn_rows selects no query row");
@@ -295,6 +335,22 @@ int qc_session_check(const qc_session *s, const qc_eval_request *req, qc_error *
     int count = 0;
     plan_eval(s, req, &none, &p);
     size_t need = capture_bytes(s, &p, &count);
+    int n_patched = 0;
+    /* a patch of attention rows needs every row of the eval: its output is recomputed */
+    const size_t patch_need = patch_bytes(s, &p, &n_patched);
+    if (n_patched && req->attn_rows) {
+        char name[64];
+        const qc_capture_spec as_spec = {req->patch->patterns, req->patch->n_patterns};
+        for (int l = 0; l < (int)c->n_layer; l++) {
+            for (int w = L_ATTN_SCORES; w <= L_ATTN_PROBS; w++) {
+                name_of(s, layer_index(s, l, w), name, sizeof name);
+                if (matches(&as_spec, name))
+                    return qc_fail(err, QC_ERR_VALUE, "%s is patched: its attention output is recomputed "
+                                   "from every query row, so attn_rows cannot choose some", name);
+            }
+        }
+    }
+    need += patch_need;
     if (req->want_logits) need += (size_t)p.head_rows * ((size_t)c->n_vocab * sizeof(float) + sizeof(int32_t));
     /* the default budget is looked up (a read of /proc/meminfo) only for evals that need more
      * than QC_BUDGET_UNCHECKED: never on the per-token path */
@@ -302,7 +358,7 @@ int qc_session_check(const qc_session *s, const qc_eval_request *req, qc_error *
     const size_t budget = qc_session_capture_budget(s);
     if (need > budget)
         return qc_fail(err, QC_ERR_NOMEM,
-                       "this eval's captures (%d tensors) and logits need %.2f GiB of host memory, over the "
+                       "this eval's captures (%d tensors), patches and logits need %.2f GiB of host memory, over the "
                        "capture budget of %.2f GiB (%s); capture fewer names or layers, choose query rows "
                        "with attn_rows= for attention at long context, ask for logits='last', or raise the "
                        "budget (qwencuda.set_capture_budget)", count, gib(need), gib(budget),
@@ -317,10 +373,26 @@ static int capture_prepare(qc_session *s, eval_plan *p, qc_error *err) {
     char name[64];
     int64_t d[3];
     int dtype;
-    /* cleared only after an eval that captured: a decode step walks no name table */
-    if (s->slots_marked)
+    const qc_patch_spec *patch = p->req->patch;
+    /* cleared only after an eval that captured or patched: a decode step walks no name table */
+    if (s->slots_marked) {
         for (size_t i = 0; i < n_names(s); i++) s->slot[i] = -1;
+        memset(s->patched, 0, n_names(s));
+    }
     s->slots_marked = 0;
+    if (patch && patch->n_patterns > 0) {
+        const qc_capture_spec as_spec = {patch->patterns, patch->n_patterns};
+        s->slots_marked = 1;
+        for (size_t i = 0; i < n_names(s); i++) {
+            name_of(s, i, name, sizeof name);
+            if (!is_argmax(i) && matches(&as_spec, name)) {
+                s->patched[i] = 1;
+                p->n_patched++;
+            }
+        }
+        /* the lm_head's rows in one block, so that a patch of the logits sees all of them */
+        if (s->patched[CAP_LOGITS]) p->head_block = p->head_rows;
+    }
     if (spec == NULL || spec->n_patterns <= 0) return 0;   /* capture off: no work at all */
     s->slots_marked = 1;
     for (size_t k = 0; k < n_names(s); k++) {
@@ -364,10 +436,56 @@ static int capture_rows(qc_session *s, const eval_plan *p, int slot, const void 
     return 0;
 }
 
-/* A per-layer capture of this chunk's rows (token c0 + i for row i of src). */
-static int capture_layer(qc_session *s, const eval_plan *p, int layer, int which, const float *src,
+/* The caller's patch of tensor i (name index), nrows x width floats at backend buf: a host copy
+ * goes to the patch function, and what it leaves there back to buf. A patched eval is one chunk,
+ * so buf holds the whole tensor. */
+static int patch_host(qc_session *s, const eval_plan *p, size_t i, float *host, qc_error *err) {
+    const qc_patch_spec *patch = p->req->patch;
+    char name[64];
+    int64_t d[3];
+    int dtype;
+    const int ndim = shape_of(s, p, i, d, &dtype);
+    name_of(s, i, name, sizeof name);
+    if (patch->fn(patch->ctx, name, host, ndim, d) < 0) return qc_fail(err, QC_ERR_CALLBACK, "patch of %s failed", name);
+    return 0;
+}
+
+static int patch_tensor(qc_session *s, const eval_plan *p, size_t i, float *buf, int64_t nrows,
+                        int64_t width, qc_error *err) {
+    qc_backend *be = s->be;
+    char name[64];
+    if (!s->patched[i] || nrows <= 0) return 0;
+    const size_t bytes = (size_t)nrows * (size_t)width * sizeof(float);
+    name_of(s, i, name, sizeof name);
+    float *host = malloc(bytes);
+    if (host == NULL) return qc_fail(err, QC_ERR_NOMEM, "patch of %s: out of memory (%zu bytes)", name, bytes);
+    int rc = -1;
+    if (be->ops->download(be, host, buf, bytes) < 0) {
+        qc_fail(err, be->err.kind, "patch of %s: %s", name, be->err.msg);
+    } else if (patch_host(s, p, i, host, err) < 0) {
+        /* err says which */
+    } else if (be->ops->upload(be, buf, host, bytes) < 0) {
+        qc_fail(err, be->err.kind, "patch of %s: %s", name, be->err.msg);
+    } else {
+        rc = 0;
+    }
+    free(host);
+    return rc;
+}
+
+/* A per-layer tensor of this chunk's rows (token c0 + i for row i of src), computed: patched
+ * when the eval patches it, then captured when it captures it. */
+static int observe_layer(qc_session *s, const eval_plan *p, int layer, int which, float *src,
                          int c0, int nc, int64_t width, qc_error *err) {
+    if (patch_tensor(s, p, layer_index(s, layer, which), src, nc, width, err) < 0) return -1;
     return capture_rows(s, p, layer_slot(s, layer, which), src, c0, nc, width, err);
+}
+
+/* The same for a global tensor (embed, output_norm, logits). */
+static int observe(qc_session *s, const eval_plan *p, size_t i, float *src, int64_t row0, int64_t nrows,
+                   int64_t width, qc_error *err) {
+    if (patch_tensor(s, p, i, src, nrows, width, err) < 0) return -1;
+    return capture_rows(s, p, s->slot[i], src, row0, nrows, width, err);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -556,8 +674,9 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
     s->no_fusion = no_fusion && *no_fusion && strcmp(no_fusion, "0") != 0;
     s->kv = calloc((size_t)c->n_layer, sizeof *s->kv);
     s->slot = malloc(n_names(s) * sizeof *s->slot);
-    if (s->slot) s->slots_marked = 1;   /* the first eval clears them */
-    if (s->kv == NULL || s->slot == NULL) {
+    s->patched = malloc(n_names(s));
+    s->slots_marked = 1;   /* the first eval clears them */
+    if (s->kv == NULL || s->slot == NULL || s->patched == NULL) {
         qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
         goto fail;
     }
@@ -600,6 +719,7 @@ void qc_session_free(qc_session *s) {
     free(s->host_pos);
     free(s->kv);
     free(s->slot);
+    free(s->patched);
     free(s);
 }
 
@@ -705,6 +825,76 @@ done:
     return rc;
 }
 
+/* attn_scores / attn_probs of layer l patched (a patched eval is one chunk: rows 0 .. nc - 1):
+ * the exact attention gives every row's scores and probabilities; the patch function changes
+ * them (the probabilities of patched scores are their softmax, as the reference computes it);
+ * they are captured as patched; and each row's attention output is recomputed on the host from
+ * the probabilities and the cache's values (float values, double sums) and uploaded over the
+ * one the attention op wrote. O(n_head * n * n_kv) host work: patch experiments are short. */
+static int patch_attention(qc_session *s, const eval_plan *p, int l, int nc, int n_kv, qc_error *err) {
+    const qc_config *c = &s->m->cfg;
+    qc_backend *be = s->be;
+    const qc_backend_ops *op = be->ops;
+    const qc_kv_cache cache = s->kv[l];
+    const int n_head = (int)c->n_head, hd = (int)c->head_dim, group = (int)(c->n_head / c->n_head_kv);
+    const size_t q_dim = (size_t)n_head * hd, kv_dim = (size_t)c->n_head_kv * hd;
+    const size_t i_scores = layer_index(s, l, L_ATTN_SCORES), i_probs = layer_index(s, l, L_ATTN_PROBS);
+    const size_t count = (size_t)n_head * (size_t)nc * (size_t)n_kv, esize = qc_kv_type_size(cache.type);
+    float *S = malloc(count * sizeof *S), *P = malloc(count * sizeof *P);
+    float *V = malloc((size_t)n_kv * kv_dim * sizeof *V), *att = malloc((size_t)nc * q_dim * sizeof *att);
+    void *raw = malloc((size_t)n_kv * kv_dim * esize);
+    int rc = -1;
+    if (S == NULL || P == NULL || V == NULL || att == NULL || raw == NULL) {
+        qc_fail(err, QC_ERR_NOMEM, "patch of blk.%d attention: out of memory", l);
+        goto done;
+    }
+    if (ensure_attn_rows(s, nc, n_kv, err) < 0) goto done;
+    OP(op->attention(be, s->sc.q, cache, s->sc.pos, nc, n_kv, n_head, (int)c->n_head_kv, hd, s->ar.out,
+                     s->ar.scores, s->ar.probs));
+    OP(op->download(be, S, s->ar.scores, count * sizeof *S));
+    if (s->patched[i_scores]) {
+        if (patch_host(s, p, i_scores, S, err) < 0) goto done;
+        for (size_t r = 0; r < count; r += (size_t)n_kv) {   /* softmax of each patched row */
+            double most = -INFINITY, sum = 0.0;
+            for (int j = 0; j < n_kv; j++) most = S[r + j] > most ? S[r + j] : most;
+            for (int j = 0; j < n_kv; j++) sum += exp((double)S[r + j] - most);
+            for (int j = 0; j < n_kv; j++) P[r + j] = (float)(exp((double)S[r + j] - most) / sum);
+        }
+    } else {
+        OP(op->download(be, P, s->ar.probs, count * sizeof *P));
+    }
+    if (s->patched[i_probs] && patch_host(s, p, i_probs, P, err) < 0) goto done;
+    if (s->slot[i_scores] >= 0) memcpy(p->res->capture.items[s->slot[i_scores]].data, S, count * sizeof *S);
+    if (s->slot[i_probs] >= 0) memcpy(p->res->capture.items[s->slot[i_probs]].data, P, count * sizeof *P);
+    /* att[t][h][:] = sum_j P[h][t][j] * v[j][h / group][:] */
+    OP(op->download(be, raw, cache.v, (size_t)n_kv * kv_dim * esize));
+    for (size_t e = 0; e < (size_t)n_kv * kv_dim; e++)
+        V[e] = cache.type == QC_KV_F16 ? qc_fp16_to_fp32(((const uint16_t *)raw)[e]) : ((const float *)raw)[e];
+    for (int h = 0; h < n_head; h++) {
+        const float *vh = V + (size_t)(h / group) * hd;
+        for (int t = 0; t < nc; t++) {
+            const float *pr = P + ((size_t)h * nc + t) * (size_t)n_kv;
+            for (int d = 0; d < hd; d++) {
+                double acc = 0.0;
+                for (int j = 0; j < n_kv; j++) acc += (double)pr[j] * vh[(size_t)j * kv_dim + d];
+                att[(size_t)t * q_dim + (size_t)h * hd + d] = (float)acc;
+            }
+        }
+    }
+    OP(op->upload(be, s->sc.att, att, (size_t)nc * q_dim * sizeof *att));
+    rc = 0;
+    goto done;
+backend_fail:
+    qc_fail(err, be->err.kind, "%s", be->err.msg);
+done:
+    free(S);
+    free(P);
+    free(V);
+    free(att);
+    free(raw);
+    return rc;
+}
+
 /* One transformer block over this chunk's nc tokens (eval rows c0..): x += attention(norm(x));
  * x += ffn(norm(x)). The KV cache holds keys 0 .. n_kv - 1 afterwards. */
 static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int nc, int n_kv,
@@ -724,7 +914,9 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
      * ops leave in the same buffers as the unfused ones, so its capture is unchanged. */
     const int fuse = !s->no_fusion;
     const int fuse_attn_norm = fuse && !layer_wants(s, l, L_ATTN_NORM);
-    const int fuse_rope = fuse && !layer_wants(s, l, L_Q) && !layer_wants(s, l, L_K);
+    /* (a patched k_rope must reach the cache, which the fused op writes before it is seen) */
+    const int fuse_rope = fuse && !layer_wants(s, l, L_Q) && !layer_wants(s, l, L_K) &&
+                          !layer_patched(s, l, L_K_ROPE);
     const int fuse_o = fuse && !layer_wants(s, l, L_ATTN_PROJ);
     const int fuse_gate_up = fuse && !layer_wants(s, l, L_GATE) && !layer_wants(s, l, L_UP);
     const int fuse_ffn_norm = fuse_gate_up && !layer_wants(s, l, L_FFN_NORM);
@@ -733,7 +925,7 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     /* attention RMSNorm: xn = x / rms(x) * attn_norm (folded into q/k/v when fused) */
     if (!fuse_attn_norm) {
         OP(op->rmsnorm(be, sc->x, L->attn_norm, nc, dim, eps, sc->xn));
-        CAPTURE(capture_layer(s, p, l, L_ATTN_NORM, sc->xn, c0, nc, dim, err));
+        CAPTURE(observe_layer(s, p, l, L_ATTN_NORM, sc->xn, c0, nc, dim, err));
     }
 
     /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them), in one pass */
@@ -746,42 +938,46 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
         OP(op->matmul(be, &L->wk, L->bk, sc->xn, nc, sc->k));
         OP(op->matmul(be, &L->wv, L->bv, sc->xn, nc, sc->v));
     }
-    CAPTURE(capture_layer(s, p, l, L_Q, sc->q, c0, nc, q_dim, err));
-    CAPTURE(capture_layer(s, p, l, L_K, sc->k, c0, nc, kv_dim, err));
-    CAPTURE(capture_layer(s, p, l, L_V, sc->v, c0, nc, kv_dim, err));
+    CAPTURE(observe_layer(s, p, l, L_Q, sc->q, c0, nc, q_dim, err));
+    CAPTURE(observe_layer(s, p, l, L_K, sc->k, c0, nc, kv_dim, err));
+    CAPTURE(observe_layer(s, p, l, L_V, sc->v, c0, nc, kv_dim, err));
 
     /* RoPE, NEOX pairs (i, i + head_dim/2), on q and k at their positions; the rotated k and
      * the v of these tokens go into the cache at their positions */
     if (fuse_rope) {
         OP(op->rope_kv_store(be, sc->q, sc->k, sc->v, sc->pos, nc, n_head, n_head_kv, hd, c->rope_theta, s->kv[l]));
+        CAPTURE(observe_layer(s, p, l, L_Q_ROPE, sc->q, c0, nc, q_dim, err));
+        CAPTURE(observe_layer(s, p, l, L_K_ROPE, sc->k, c0, nc, kv_dim, err));
     } else {
         OP(op->rope(be, sc->q, sc->pos, nc, n_head, hd, c->rope_theta));
         OP(op->rope(be, sc->k, sc->pos, nc, n_head_kv, hd, c->rope_theta));
+        CAPTURE(observe_layer(s, p, l, L_Q_ROPE, sc->q, c0, nc, q_dim, err));
+        CAPTURE(observe_layer(s, p, l, L_K_ROPE, sc->k, c0, nc, kv_dim, err));
         OP(op->kv_store(be, sc->k, sc->v, sc->pos, nc, kv_dim, s->kv[l]));
     }
-    CAPTURE(capture_layer(s, p, l, L_Q_ROPE, sc->q, c0, nc, q_dim, err));
-    CAPTURE(capture_layer(s, p, l, L_K_ROPE, sc->k, c0, nc, kv_dim, err));
 
     /* causal GQA attention: query head h reads KV head h / (n_head / n_head_kv), keys 0..pos */
     OP(op->attention(be, sc->q, s->kv[l], sc->pos, nc, n_kv, n_head, n_head_kv, hd, sc->att, NULL, NULL));
-    if (layer_wants(s, l, L_ATTN_SCORES) || layer_wants(s, l, L_ATTN_PROBS))
+    if (layer_patched(s, l, L_ATTN_SCORES) || layer_patched(s, l, L_ATTN_PROBS))
+        CAPTURE(patch_attention(s, p, l, nc, n_kv, err));
+    else if (layer_wants(s, l, L_ATTN_SCORES) || layer_wants(s, l, L_ATTN_PROBS))
         CAPTURE(capture_attention(s, p, l, c0, nc, n_kv, err));
-    CAPTURE(capture_layer(s, p, l, L_ATTN_OUT, sc->att, c0, nc, q_dim, err));
+    CAPTURE(observe_layer(s, p, l, L_ATTN_OUT, sc->att, c0, nc, q_dim, err));
 
     /* output projection (no bias) and the residual: x = x + att @ Wo^T */
     if (fuse_o) {
         OP(op->matmul_add(be, &L->wo, sc->att, nc, sc->x, sc->x));
     } else {
         OP(op->matmul(be, &L->wo, NULL, sc->att, nc, sc->y));
-        CAPTURE(capture_layer(s, p, l, L_ATTN_PROJ, sc->y, c0, nc, dim, err));
+        CAPTURE(observe_layer(s, p, l, L_ATTN_PROJ, sc->y, c0, nc, dim, err));
         OP(op->add(be, sc->x, sc->y, (int64_t)nc * dim, sc->x));
     }
-    CAPTURE(capture_layer(s, p, l, L_RESID_MID, sc->x, c0, nc, dim, err));
+    CAPTURE(observe_layer(s, p, l, L_RESID_MID, sc->x, c0, nc, dim, err));
 
     /* feed-forward RMSNorm (folded into gate/up when fused) */
     if (!fuse_ffn_norm) {
         OP(op->rmsnorm(be, sc->x, L->ffn_norm, nc, dim, eps, sc->xn));
-        CAPTURE(capture_layer(s, p, l, L_FFN_NORM, sc->xn, c0, nc, dim, err));
+        CAPTURE(observe_layer(s, p, l, L_FFN_NORM, sc->xn, c0, nc, dim, err));
     }
 
     /* gate and up projections, act = silu(gate) * up */
@@ -791,21 +987,21 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     } else {
         OP(op->matmul(be, &L->w_gate, NULL, sc->xn, nc, sc->gate));
         OP(op->matmul(be, &L->w_up, NULL, sc->xn, nc, sc->up));
-        CAPTURE(capture_layer(s, p, l, L_GATE, sc->gate, c0, nc, ffn, err));
-        CAPTURE(capture_layer(s, p, l, L_UP, sc->up, c0, nc, ffn, err));
+        CAPTURE(observe_layer(s, p, l, L_GATE, sc->gate, c0, nc, ffn, err));
+        CAPTURE(observe_layer(s, p, l, L_UP, sc->up, c0, nc, ffn, err));
         OP(op->swiglu(be, sc->gate, sc->up, (int64_t)nc * ffn, sc->act));
     }
-    CAPTURE(capture_layer(s, p, l, L_FFN_ACT, sc->act, c0, nc, ffn, err));
+    CAPTURE(observe_layer(s, p, l, L_FFN_ACT, sc->act, c0, nc, ffn, err));
 
     /* down projection and the residual: x = x + act @ Wdown^T */
     if (fuse_down) {
         OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x));
     } else {
         OP(op->matmul(be, &L->w_down, NULL, sc->act, nc, sc->y));
-        CAPTURE(capture_layer(s, p, l, L_FFN_OUT, sc->y, c0, nc, dim, err));
+        CAPTURE(observe_layer(s, p, l, L_FFN_OUT, sc->y, c0, nc, dim, err));
         OP(op->add(be, sc->x, sc->y, (int64_t)nc * dim, sc->x));
     }
-    CAPTURE(capture_layer(s, p, l, L_RESID_OUT, sc->x, c0, nc, dim, err));
+    CAPTURE(observe_layer(s, p, l, L_RESID_OUT, sc->x, c0, nc, dim, err));
     return 0;
 backend_fail:
     qc_fail(err, be->err.kind, "%s", be->err.msg);
@@ -825,7 +1021,7 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
     const qc_eval_request *req = p->req;
     const int dim = (int)c->dim, last_chunk = c0 + nc == p->n;
     const int64_t vocab = c->n_vocab;
-    const int want_norm = s->slot[CAP_OUTPUT_NORM] >= 0;
+    const int want_norm = s->slot[CAP_OUTPUT_NORM] >= 0 || s->patched[CAP_OUTPUT_NORM];
     /* lm_head rows of this chunk: [r0, nc) in chunk rows; out_row0: their first row out */
     const int r0 = req->all_logits ? 0 : (last_chunk ? nc - 1 : nc);
     const int out_row0 = req->all_logits ? c0 : 0;
@@ -835,14 +1031,14 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
     if (first < nc)
         OP(op->rmsnorm(be, sc->x + (size_t)first * dim, m->output_norm, nc - first, dim, c->norm_eps,
                        sc->xn + (size_t)first * dim));
-    CAPTURE(capture_rows(s, p, s->slot[CAP_OUTPUT_NORM], sc->xn, c0, nc, dim, err));
+    CAPTURE(observe(s, p, CAP_OUTPUT_NORM, sc->xn, c0, nc, dim, err));
 
-    for (int b = r0; b < nc; b += QC_HEAD_ROWS) {
-        const int rows = nc - b < QC_HEAD_ROWS ? nc - b : QC_HEAD_ROWS;
+    for (int b = r0; b < nc; b += p->head_block) {
+        const int rows = nc - b < p->head_block ? nc - b : p->head_block;
         const int out_row = out_row0 + (b - r0);
         /* lm_head: logits = xn @ output^T (output.weight, or token_embd when tied) */
         OP(op->matmul(be, &m->output, NULL, sc->xn + (size_t)b * dim, rows, s->logits));
-        CAPTURE(capture_rows(s, p, s->slot[CAP_LOGITS], s->logits, out_row, rows, vocab, err));
+        CAPTURE(observe(s, p, CAP_LOGITS, s->logits, out_row, rows, vocab, err));
         /* argmax: the first largest logit of each row */
         if (p->do_argmax) {
             OP(op->argmax(be, s->logits, rows, vocab, s->amax));
@@ -877,7 +1073,7 @@ static int forward_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_e
 
     /* embed: x = token_embd[ids] */
     OP(be->ops->embed(be, &m->tok_embd, sc->ids, nc, sc->x));
-    CAPTURE(capture_rows(s, p, s->slot[CAP_EMBED], sc->x, c0, nc, m->cfg.dim, err));
+    CAPTURE(observe(s, p, CAP_EMBED, sc->x, c0, nc, m->cfg.dim, err));
     for (int l = 0; l < (int)m->cfg.n_layer; l++)
         CAPTURE(layer_forward(s, p, l, c0, nc, n_kv, err));
     if (p->want_head) CAPTURE(head_forward(s, p, c0, nc, err));
@@ -938,15 +1134,17 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     if (capture_prepare(s, p, err) < 0) return -1;
     p->want_head = req->want_logits || p->do_sample || s->slot[CAP_OUTPUT_NORM] >= 0 ||
                    s->slot[CAP_LOGITS] >= 0 || s->slot[CAP_ARGMAX] >= 0;
-    const int replayable = p->n == 1 && p->n_captured == 0 && p->want_head && op->replay && !s->no_graphs &&
-                           !s->record_failed;
+    p->want_head = p->want_head || s->patched[CAP_OUTPUT_NORM] || s->patched[CAP_LOGITS];
+    const int replayable = p->n == 1 && p->n_captured == 0 && p->n_patched == 0 && p->want_head && op->replay &&
+                           !s->no_graphs && !s->record_failed;
     p->defer_download = replayable;
     p->do_argmax = (replayable && !p->do_sample) || req->want_logits || s->slot[CAP_ARGMAX] >= 0;
 
     const size_t sample_bytes = p->do_sample ? sizeof *req->sample + (size_t)req->sample->n_history * sizeof(int32_t) : 0;
-    const int chunk = p->n < s->chunk ? p->n : s->chunk;
+    /* a patch sees its whole tensor: one forward pass */
+    const int chunk = p->n < s->chunk || p->n_patched ? p->n : s->chunk;
     if (ensure_rows(s, chunk, err) < 0) return -1;
-    if (p->want_head && ensure_logit_rows(s, p->head_rows < QC_HEAD_ROWS ? p->head_rows : QC_HEAD_ROWS, err) < 0)
+    if (p->want_head && ensure_logit_rows(s, p->head_rows < p->head_block ? p->head_rows : p->head_block, err) < 0)
         return -1;
     if (p->do_sample && ensure_sampling(s, sample_bytes, err) < 0) return -1;
     /* the sampler's RNG and recent tokens, as this draw must see them */

@@ -42,6 +42,23 @@ typedef struct {
     int n_patterns;
 } qc_capture_spec;
 
+/* Interventions (qwencuda.patching): fn receives a host copy of each tensor whose name matches
+ * one of the patterns (glob patterns over capture names, as for capture), right after the step
+ * that computed it, with its capture shape for this eval; what fn leaves in data replaces the
+ * tensor for the rest of the eval (a capture of the name shows it). fn returns 0, or -1 after
+ * setting its own error (the eval then fails with QC_ERR_CALLBACK). argmax is never patched.
+ * attn_scores patched: the probabilities are the softmax of the patched scores; attn_scores or
+ * attn_probs patched: the attention output of every row is recomputed from the probabilities and
+ * the cache's values on the host (fp32 values, double sums). k_rope and v patched enter the KV
+ * cache. A patched eval runs as one forward pass (no chunks), and never as a recorded replay. */
+typedef int (*qc_patch_fn)(void *ctx, const char *name, float *data, int ndim, const int64_t shape[3]);
+typedef struct {
+    const char *const *patterns;
+    int n_patterns;
+    qc_patch_fn fn;
+    void *ctx;
+} qc_patch_spec;
+
 typedef struct qc_session qc_session;
 
 /* kv_type: QC_KV_F32 or QC_KV_F16 (backend.h). */
@@ -78,6 +95,8 @@ typedef struct {
     /* a sampler's state (qc_sampler_export): one draw from the last token's logits on the
      * backend (inside the recorded decode step on CUDA); NULL: no draw */
     const qc_sample_state *sample;
+    /* tensors to change mid-forward (see qc_patch_spec); NULL: none, no cost */
+    const qc_patch_spec *patch;
 } qc_eval_request;
 
 typedef struct {

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _core
+from . import _core, patching
 from .trace import Trace, capture_names
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -179,7 +179,7 @@ class Session:
     def capture_budget(self, nbytes):
         self._core().capture_budget = nbytes
 
-    def prefill(self, ids, capture=None, logits="last", sampler=None, attn_rows=None) -> Trace:
+    def prefill(self, ids, capture=None, logits="last", sampler=None, attn_rows=None, patch=None) -> Trace:
         """Run ids at positions position .. position + n - 1 and advance the position.
 
         logits: "last" (one row, default), "all" (a row per token) or None (none handed back;
@@ -192,6 +192,9 @@ class Session:
         attn_rows: the query rows (indices into ids; negative from the end) whose attn_scores /
         attn_probs are captured, e.g. -1 for the last token: those captures are then
         (n_head, len(attn_rows), n_kv), O(n) memory per row at any context length. None: all.
+        patch: {capture name or glob: edit} changes tensors mid-forward (qwencuda.patching:
+        an array, Replace / Add / Scale / ZeroHeads, or a function of the tensor); what comes
+        after reads the patched values. No cost when None.
         Captures and logits that would take more host memory than capture_budget raise
         MemoryError before anything is allocated or run."""
         s = self._core()
@@ -203,7 +206,9 @@ class Session:
             if not isinstance(core_sampler, _core.Sampler):
                 raise TypeError(f"sampler must be a qwencuda.Sampler, not {type(sampler).__name__}")
         rows = _attn_rows(attn_rows, a.size)
-        start, lg, am, tensors, token = s.eval(a, logits, pats, core_sampler, rows)
+        names, hook = patching.as_hook(patch, self._model.capture_names(), self._model.config.n_head)
+        start, lg, am, tensors, token = s.eval(a, logits, pats, core_sampler, rows,
+                                               None if names is None else (names, hook))
         n = a.size
         positions = np.arange(start, start + n, dtype=np.int32)
         logit_positions = None
@@ -213,16 +218,17 @@ class Session:
                      positions=positions, logit_positions=logit_positions,
                      source=self._model.device.split(":")[0], token=token, kv_type=s.kv_type)
 
-    def step(self, token, capture=None, logits="last", sampler=None) -> Trace:
+    def step(self, token, capture=None, logits="last", sampler=None, patch=None) -> Trace:
         """Run one token; the Trace holds the logits of its position (logits="last") or not
-        (None), and with a sampler the next token drawn on the device (see prefill)."""
+        (None), and with a sampler the next token drawn on the device (see prefill). patch: as
+        in prefill (a patched step runs op by op, not as the recorded CUDA graph)."""
         if isinstance(token, (list, tuple, np.ndarray)) and np.size(token) != 1:
             raise ValueError("step() takes one token; use prefill() for several")
         if logits not in ("last", None):
             raise ValueError(f"step() logits must be 'last' or None, got {logits!r}")
         # prefill checks the id as forward does (a float is a TypeError, not truncated)
         return self.prefill(np.asarray(token).reshape(1), capture=capture, logits=logits,
-                            sampler=sampler)
+                            sampler=sampler, patch=patch)
 
     def reset(self):
         """Empty the cache (position 0)."""
@@ -328,12 +334,12 @@ class Model:
             raise ValueError(f"max_context must be an int >= 1, got {max_context!r}")
         return Session(self, int(max_context), kv_type=kv_type, prefill_chunk=prefill_chunk)
 
-    def forward(self, ids, capture=None, logits="all", kv_type=None, attn_rows=None) -> Trace:
-        """One pass over ids from position 0 (a fresh KV cache) -> Trace. kv_type and attn_rows
-        as in session() and Session.prefill()."""
+    def forward(self, ids, capture=None, logits="all", kv_type=None, attn_rows=None, patch=None) -> Trace:
+        """One pass over ids from position 0 (a fresh KV cache) -> Trace. kv_type, attn_rows and
+        patch as in session() and Session.prefill()."""
         a = _ids(ids)
         with self.session(max_context=a.size, kv_type=kv_type) as s:
-            return s.prefill(a, capture=capture, logits=logits, attn_rows=attn_rows)
+            return s.prefill(a, capture=capture, logits=logits, attn_rows=attn_rows, patch=patch)
 
     def generate(self, *args, **kwargs):
         """Generate text; see qwencuda.generation.generate."""
