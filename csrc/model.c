@@ -300,33 +300,41 @@ static int backend_room(const qc_backend *be, size_t *room, size_t *total, const
     return 0;
 }
 
-/* 0 when the weights fit in the room the backend has; else QC_ERR_NOMEM (MemoryError) saying the
+/* bytes as "1.23 GiB", "4.5 MiB" or "6.7 KiB" in buf */
+static const char *human(char *buf, size_t size, size_t bytes) {
+    if ((double)bytes >= QC_GIB) snprintf(buf, size, "%.2f GiB", (double)bytes / QC_GIB);
+    else if (bytes >= ((size_t)1 << 20)) snprintf(buf, size, "%.1f MiB", (double)bytes / (1 << 20));
+    else snprintf(buf, size, "%.1f KiB", (double)bytes / 1024.0);
+    return buf;
+}
+
+/* 0 when the weights fit in the room the backend has; else QC_ERR_NOMEM (MemoryError) stating the
  * model's size and the room. */
 static int check_fits(const qc_model *m, const char *path, qc_error *err) {
     const qc_backend *be = m->be;
     size_t mat, vec, room, total;
     const char *limit;
-    char where[32];
+    char where[32], h[4][32];
     backend_bytes(m->file, &m->cfg, copies_matrices(be), &mat, &vec);
     if (backend_room(be, &room, &total, &limit, err) < 0) return -1;
     if (mat + vec <= room) return 0;
     if (copies_matrices(be)) snprintf(where, sizeof where, "%s:%d", be->name, be->device);
     else snprintf(where, sizeof where, "%s", be->name);
+    human(h[0], sizeof h[0], mat + vec);
+    human(h[1], sizeof h[1], mat);
+    human(h[2], sizeof h[2], vec);
     if (limit != NULL && strcmp(limit, "free") == 0)
         return qc_fail(err, QC_ERR_NOMEM,
-                       "%.200s does not fit: its weights need %zu bytes (%.2f GiB: matrices %.2f GiB as "
-                       "stored, norms and biases %.1f MiB as float32) on %s, which has %zu bytes "
-                       "(%.2f GiB) free of %.2f GiB; the KV cache comes on top. Use a smaller "
-                       "quantization (Q4_K_M is about 30%% of F16's size) or free the GPU",
-                       path, mat + vec, (double)(mat + vec) / QC_GIB, (double)mat / QC_GIB,
-                       (double)vec / (1024.0 * 1024.0), where, room, (double)room / QC_GIB,
+                       "%.120s does not fit: its weights need %zu bytes (%s: matrices %s as stored, "
+                       "norms and biases %s as float32) on %s, which has %zu bytes (%s) free of %.2f "
+                       "GiB, and the KV cache comes on top. Use a smaller quantization (Q4_K_M takes "
+                       "about 30%% of F16) or free the GPU",
+                       path, mat + vec, h[0], h[1], h[2], where, room, human(h[3], sizeof h[3], room),
                        (double)total / QC_GIB);
     return qc_fail(err, QC_ERR_NOMEM,
-                   "%.200s does not fit: its weights need %zu bytes (%.2f GiB: matrices %.2f GiB as "
-                   "stored, norms and biases %.1f MiB as float32) on %s, more than "
-                   "QWENCUDA_MEMORY_LIMIT = %zu bytes",
-                   path, mat + vec, (double)(mat + vec) / QC_GIB, (double)mat / QC_GIB,
-                   (double)vec / (1024.0 * 1024.0), where, room);
+                   "%.120s does not fit: its weights need %zu bytes (%s: matrices %s as stored, norms "
+                   "and biases %s as float32) on %s, more than QWENCUDA_MEMORY_LIMIT = %zu bytes",
+                   path, mat + vec, h[0], h[1], h[2], where, room);
 }
 
 /* A weight that could not be placed: when the device has too little free memory left for it (the

@@ -62,6 +62,7 @@ _LAZY = {
     "kernels": ("kernels", None),
     "reference": ("reference", None),
     "testing": ("testing", None),
+    "synthetic": ("synthetic", None),
     "patching": ("patching", None),
     "Replace": ("patching", "Replace"),
     "Add": ("patching", "Add"),

@@ -46,7 +46,21 @@ def log(msg):
 
 
 def _gb(n):
-    return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def gpu_free_bytes(device):
+    """Free memory of the GPU that device names, from nvidia-smi (this process never touches CUDA,
+    so that its own context takes nothing from the measurements); None when unknown."""
+    if not device.startswith("cuda"):
+        return None
+    index = device.split(":")[1] if ":" in device else "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits",
+                              "-i", index], capture_output=True, text=True, timeout=30)
+        return int(out.stdout.split()[0]) << 20 if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
 
 
 def _label(shape, wtype, cfg):
@@ -140,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--llama-bench", metavar="PATH", help="llama-bench binary: measure llama.cpp too")
     ap.add_argument("--llama-args", nargs=argparse.REMAINDER, default=[],
                     help="extra llama-bench arguments (last on the command line)")
+    ap.add_argument("--files", nargs="+", default=[], metavar="GGUF",
+                    help="existing files measured too, first (e.g. the real 0.5B Q4_K_M); never deleted")
     ap.add_argument("--keep", action="store_true", help="keep the files")
     ap.add_argument("--json", metavar="FILE", help="write every result as JSON")
     ap.add_argument("--seed", type=int, default=0)
@@ -158,14 +174,27 @@ def main(argv=None):
     os.makedirs(args.dir, exist_ok=True)
 
     rows, todo = [], [(s, t) for s in args.shapes for t in args.types]
+    for path in args.files:
+        row = {"file": path, "label": f"{os.path.basename(path)} (a real file)", "bytes": os.path.getsize(path)}
+        rows.append(row)
+        log(f"[file] {path}: qwencuda bench on {args.device}")
+        row["qwencuda"] = run_qwencuda(path, args)
+        if args.llama_bench:
+            log(f"[file] {path}: llama-bench")
+            row["llama"] = run_llama(path, args)
     for i, (shape, wtype) in enumerate(todo, 1):
         cfg = synthetic.resolve_shape(shape)
         size = synthetic.model_bytes(shape, wtype)
         row = {"shape": shape, "type": wtype, "label": _label(shape, wtype, cfg), "bytes": size}
         rows.append(row)
         free = shutil.disk_usage(args.dir).free
+        gpu_free = gpu_free_bytes(args.device)
+        need = synthetic.memory_needed(shape, wtype, args.prompt_tokens + args.gen_tokens)["total"]
         if size + (1 << 28) > free:
             row["skipped"] = f"not written: {_gb(size)} > {_gb(free)} free in {args.dir}"
+        elif gpu_free is not None and need + (1 << 30) > gpu_free:
+            row["skipped"] = f"does not fit: {_gb(need)} + 1 GB > {_gb(gpu_free)} free on {args.device}"
+        if row.get("skipped"):
             log(f"[{i}/{len(todo)}] {shape} {wtype}: {row['skipped']}")
             continue
         path = os.path.join(args.dir, f"qwen2.5-{shape}-{wtype}.gguf")
