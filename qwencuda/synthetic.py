@@ -155,7 +155,7 @@ def memory_needed(shape="7B", weight_type="q4_k_m", n_ctx=32768, kv_type="f16", 
 # --------------------------------------------------------------------------------------------
 # Generation
 
-def _std(name: str, cfg: dict, row: int) -> float:
+def _std(name: str, row: int) -> float:
     """write_model's std of a matrix (testing._values)."""
     base = name.rsplit(".", 1)[0]
     return _t._EMBED_STD if base in ("token_embd", "output") else 1.0 / np.sqrt(row)
@@ -223,7 +223,7 @@ def _tensor_chunks(name: str, np_shape: tuple, t: str, cfg: dict, seed: int, poo
     if len(np_shape) == 1:
         yield _t._values(name, np_shape, cfg, seed).astype(np.float32)
         return
-    std = _std(name, cfg, np_shape[-1])
+    std = _std(name, np_shape[-1])
     fresh = nbytes <= _FRESH_BYTES
     if t in _FLOATS:
         item = np.dtype(_FLOATS[t]).itemsize

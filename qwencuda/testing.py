@@ -24,6 +24,9 @@ here by a simple min/max quantizer per sub-block (not llama.cpp's optimising sea
 round-trips through `gguf.quants.dequantize`. Rows whose length is not a multiple of a type's block
 size fall back per tensor the way llama.cpp does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1,
 Q6_K -> Q8_0, legacy -> F16); `plan_model` shows the resulting types. Norms and biases stay F32.
+
+Files of the real Qwen2.5 sizes (0.5B .. 72B) are written at disk speed by
+qwencuda.synthetic.write_random_model (random well-formed blocks instead of quantized floats).
 """
 from __future__ import annotations
 

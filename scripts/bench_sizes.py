@@ -201,7 +201,13 @@ def main(argv=None):
         try:
             t0 = time.perf_counter()
             log(f"[{i}/{len(todo)}] {shape} {wtype}: writing {_gb(size)} to {path}")
-            synthetic.write_random_model(path, shape, wtype, seed=args.seed)
+            tenth = [0]
+
+            def progress(done, total):   # every tenth of the file
+                if done * 10 // total > tenth[0]:
+                    tenth[0] = done * 10 // total
+                    log(f"  {done / 1e9:.1f} / {total / 1e9:.1f} GB, {time.perf_counter() - t0:.0f} s")
+            synthetic.write_random_model(path, shape, wtype, seed=args.seed, progress=progress)
             row["write_s"] = time.perf_counter() - t0
             log(f"[{i}/{len(todo)}] {shape} {wtype}: written in {row['write_s']:.0f} s; qwencuda bench on {args.device}")
             row["qwencuda"] = run_qwencuda(path, args)
