@@ -75,6 +75,86 @@ static inline size_t qc_kv_type_size(int type) { return type == QC_KV_F16 ? 2 : 
 
 typedef struct qc_backend qc_backend;
 
+/* ---- the ops: one function type per op states its arguments and its contract; a backend
+ * defines qc_<backend>_<op> of that type, and QC_BACKEND_OPS below lists them. ---- */
+
+/* out[i][:] = dequantized row ids[i] of table; table is (rows, cols), out is [n][cols]. */
+typedef int qc_op_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, int n,
+                        float *out);
+/* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w: sum of squares in float64, scaling in
+ * float32 (ggml's order). */
+typedef int qc_op_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim,
+                          float eps, float *out);
+/* out[n][rows] = x[n][cols] @ W^T (+ bias[rows] when bias is not NULL). */
+typedef int qc_op_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x,
+                         int n, float *out);
+/* In place NEOX rotary embedding of x[n][n_heads][head_dim]: for i < head_dim/2 the pair
+ * (i, i + head_dim/2) of token t is rotated by pos[t] * theta^(-2i/head_dim). */
+typedef int qc_op_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads,
+                       int head_dim, float theta);
+/* cache.k[pos[t]][:] = k[t][:], likewise v, converted to cache.type; rows are kv_dim wide. */
+typedef int qc_op_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos,
+                           int n, int kv_dim, qc_kv_cache cache);
+/* Causal GQA attention over the cache: query t (head h) attends keys 0..pos[t] of KV head
+ * h / (n_head / n_head_kv), scale 1/sqrt(head_dim). q is [n][n_head][head_dim], out is
+ * [n][n_head * head_dim]. n_kv = pos[n-1] + 1 (the host knows it). scores and probs, when
+ * not NULL, receive [n_head][n][n_kv]: scaled scores with -inf where masked, and the
+ * softmax (0 where masked); they are computed in fp32 from the cache's values (the exact
+ * path). Without them, CUDA runs flash attention on tensor cores over an F16 cache (q and
+ * the probabilities rounded to f16, fp32 accumulation); an F32 cache, and the CPU, keep the
+ * exact path.
+ * A backend may choose its kernel by n_kv's bucket (qc_kv_bucket): a recording replays only
+ * for evals in the bucket it was recorded in. */
+typedef int qc_op_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
+                            int n, int n_kv, int n_head, int n_head_kv, int head_dim, float *out,
+                            float *scores, float *probs);
+/* out = silu(gate) * up, elementwise over count values. */
+typedef int qc_op_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count,
+                         float *out);
+/* out = a + b, elementwise (out may alias a or b). */
+typedef int qc_op_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
+/* out[i] = index of the largest value of row i of x[n][cols] (first one on ties). */
+typedef int qc_op_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
+/* One draw from logits[n_vocab] by the chain of sampler.h (qc_sample_row): state is a
+ * qc_sample_state followed by its n_history token ids, work is qc_sample_work_bytes(n_vocab)
+ * bytes of scratch, result receives a qc_sample_result; all three in backend memory, so that
+ * a recorded decode step samples with whatever state was uploaded before its replay. */
+typedef int qc_op_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
+                         void *work, void *result);
+
+/* ---- fused ops: each computes what a sequence of the ops above computes, with the same
+ * float operations where the backend can keep them (the CPU always; CUDA up to
+ * QC_GEMV_MAX_TOKENS tokens), in one pass instead of several. The forward pass uses them
+ * unless a capture asks for an intermediate that they never write. ---- */
+/* out[n][rows] = residual[n][rows] + x[n][cols] @ W^T: matmul (no bias), then add.
+ * residual may alias out (the residual stream updated in place). */
+typedef int qc_op_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
+                             const float *residual, float *out);
+/* matmul of one x by n_parts (1..QC_MATMUL_MULTI_MAX) weights with the same cols, each with
+ * its own type, rows, bias and output: q, k and v in one launch. The outputs must not
+ * overlap x or each other. norm_w: when not NULL, x is first RMS-normalised with it and
+ * eps (rmsnorm, bit for bit; the normalised x is not kept), so the attention norm needs no
+ * launch of its own. */
+typedef int qc_op_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts,
+                               const float *x, int n, const float *norm_w, float eps);
+/* act[n][rows] = silu(x @ Wg^T) * (x @ Wu^T): matmul by w_gate and by w_up (no biases), then
+ * swiglu. w_gate and w_up have the same shape (rows, cols); their types may differ.
+ * norm_w, eps: as in matmul_multi (the feed-forward norm). */
+typedef int qc_op_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
+                                const float *x, int n, const float *norm_w, float eps, float *act);
+/* rope of q[n][n_head][head_dim] and of k[n][n_head_kv][head_dim] in place at pos[t], then
+ * kv_store of the rotated k and of v[n][n_head_kv * head_dim] into the caches at pos[t]. */
+typedef int qc_op_rope_kv_store(qc_backend *be, float *q, float *k, const float *v,
+                                const int32_t *pos, int n, int n_head, int n_head_kv,
+                                int head_dim, float theta, qc_kv_cache cache);
+
+/* Every op above, in table order. From this one list come the members of qc_backend_ops and
+ * each backend's declarations and table (cpu_backend.h/.c, qc_cuda.cuh, cuda_backend.cu): a
+ * new op is its function type above, its name here, and its two implementations. */
+#define QC_BACKEND_OPS(X)                                                                       \
+    X(embed) X(rmsnorm) X(matmul) X(rope) X(kv_store) X(attention) X(swiglu) X(add) X(argmax) \
+    X(sample) X(matmul_add) X(matmul_multi) X(matmul_swiglu) X(rope_kv_store)
+
 typedef struct qc_backend_ops {
     /* ---- memory ---- */
     int (*alloc)(qc_backend *be, size_t bytes, void **out);
@@ -88,74 +168,10 @@ typedef struct qc_backend_ops {
     int (*synchronize)(qc_backend *be);
     void (*destroy)(qc_backend *be);
 
-    /* ---- ops ---- */
-    /* out[i][:] = dequantized row ids[i] of table; table is (rows, cols), out is [n][cols]. */
-    int (*embed)(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out);
-    /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w: sum of squares in float64, scaling in
-     * float32 (ggml's order). */
-    int (*rmsnorm)(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
-                   float *out);
-    /* out[n][rows] = x[n][cols] @ W^T (+ bias[rows] when bias is not NULL). */
-    int (*matmul)(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
-                  float *out);
-    /* In place NEOX rotary embedding of x[n][n_heads][head_dim]: for i < head_dim/2 the pair
-     * (i, i + head_dim/2) of token t is rotated by pos[t] * theta^(-2i/head_dim). */
-    int (*rope)(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
-                float theta);
-    /* cache.k[pos[t]][:] = k[t][:], likewise v, converted to cache.type; rows are kv_dim wide. */
-    int (*kv_store)(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
-                    int kv_dim, qc_kv_cache cache);
-    /* Causal GQA attention over the cache: query t (head h) attends keys 0..pos[t] of KV head
-     * h / (n_head / n_head_kv), scale 1/sqrt(head_dim). q is [n][n_head][head_dim], out is
-     * [n][n_head * head_dim]. n_kv = pos[n-1] + 1 (the host knows it). scores and probs, when
-     * not NULL, receive [n_head][n][n_kv]: scaled scores with -inf where masked, and the
-     * softmax (0 where masked); they are computed in fp32 from the cache's values (the exact
-     * path). Without them, CUDA runs flash attention on tensor cores over an F16 cache (q and
-     * the probabilities rounded to f16, fp32 accumulation); an F32 cache, and the CPU, keep the
-     * exact path. */
-    /* A backend may choose its kernel by n_kv's bucket (qc_kv_bucket): a recording replays only
-     * for evals in the bucket it was recorded in. */
-    int (*attention)(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
-                     int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
-                     float *probs);
-    /* out = silu(gate) * up, elementwise over count values. */
-    int (*swiglu)(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
-    /* out = a + b, elementwise (out may alias a or b). */
-    int (*add)(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
-    /* out[i] = index of the largest value of row i of x[n][cols] (first one on ties). */
-    int (*argmax)(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
-    /* One draw from logits[n_vocab] by the chain of sampler.h (qc_sample_row): state is a
-     * qc_sample_state followed by its n_history token ids, work is qc_sample_work_bytes(n_vocab)
-     * bytes of scratch, result receives a qc_sample_result; all three in backend memory, so that
-     * a recorded decode step samples with whatever state was uploaded before its replay. */
-    int (*sample)(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
-                  void *work, void *result);
-
-    /* ---- fused ops: each computes what a sequence of the ops above computes, with the same
-     * float operations where the backend can keep them (the CPU always; CUDA up to
-     * QC_GEMV_MAX_TOKENS tokens), in one pass instead of several. The forward pass uses them
-     * unless a capture asks for an intermediate that they never write. ---- */
-    /* out[n][rows] = residual[n][rows] + x[n][cols] @ W^T: matmul (no bias), then add.
-     * residual may alias out (the residual stream updated in place). */
-    int (*matmul_add)(qc_backend *be, const qc_weight *w, const float *x, int n,
-                      const float *residual, float *out);
-    /* matmul of one x by n_parts (1..QC_MATMUL_MULTI_MAX) weights with the same cols, each with
-     * its own type, rows, bias and output: q, k and v in one launch. The outputs must not
-     * overlap x or each other. norm_w: when not NULL, x is first RMS-normalised with it and
-     * eps (rmsnorm, bit for bit; the normalised x is not kept), so the attention norm needs no
-     * launch of its own. */
-    int (*matmul_multi)(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                        int n, const float *norm_w, float eps);
-    /* act[n][rows] = silu(x @ Wg^T) * (x @ Wu^T): matmul by w_gate and by w_up (no biases), then
-     * swiglu. w_gate and w_up have the same shape (rows, cols); their types may differ.
-     * norm_w, eps: as in matmul_multi (the feed-forward norm). */
-    int (*matmul_swiglu)(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                         const float *x, int n, const float *norm_w, float eps, float *act);
-    /* rope of q[n][n_head][head_dim] and of k[n][n_head_kv][head_dim] in place at pos[t], then
-     * kv_store of the rotated k and of v[n][n_head_kv * head_dim] into the caches at pos[t]. */
-    int (*rope_kv_store)(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
-                         int n, int n_head, int n_head_kv, int head_dim, float theta,
-                         qc_kv_cache cache);
+    /* ---- the ops: qc_op_embed *embed; ... in QC_BACKEND_OPS order ---- */
+#define QC_OP_MEMBER(name) qc_op_##name *name;
+    QC_BACKEND_OPS(QC_OP_MEMBER)
+#undef QC_OP_MEMBER
 
     /* ---- optional (NULL where unsupported): record a sequence of ops once, replay it ----
      * Between record_begin and record_end the ops are recorded, not run; replay runs the

@@ -146,90 +146,17 @@ static void cu_weight_free(qc_backend *be, qc_weight *w) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* ops: argument checks that the kernels rely on, then the launcher */
+/* ops: each entry of the table makes the backend's device current, then calls the op's launcher
+ * (qc_cuda_<op>, qc_cuda.cuh) with the same arguments: on_device<qc_op_embed>::run<qc_cuda_embed>
+ * is the function of type qc_op_embed that does so for embed. */
 
-static int op_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_embed(be, table, ids, n, out);
-}
-
-static int op_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
-                      float *out) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_rmsnorm(be, x, w, n, dim, eps, out);
-}
-
-static int op_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
-                     float *out) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_matmul(be, w, bias, x, n, out);
-}
-
-static int op_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
-                   float theta) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_rope(be, x, pos, n, n_heads, head_dim, theta);
-}
-
-static int op_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
-                       int kv_dim, qc_kv_cache cache) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_kv_store(be, k, v, pos, n, kv_dim, cache);
-}
-
-static int op_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
-                        int n, int n_kv, int n_head, int n_head_kv, int head_dim, float *out,
-                        float *scores, float *probs) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_attention(be, q, cache, pos, n, n_kv, n_head, n_head_kv, head_dim, out, scores,
-                             probs);
-}
-
-static int op_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_swiglu(be, gate, up, count, out);
-}
-
-static int op_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_add(be, a, b, count, out);
-}
-
-static int op_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_argmax(be, x, n, cols, out);
-}
-
-static int op_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
-                     void *work, void *result) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_sample(be, logits, n_vocab, state, work, result);
-}
-
-static int op_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
-                         const float *residual, float *out) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_matmul_add(be, w, x, n, residual, out);
-}
-
-static int op_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                           int n, const float *norm_w, float eps) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_matmul_multi(be, parts, n_parts, x, n, norm_w, eps);
-}
-
-static int op_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                            const float *x, int n, const float *norm_w, float eps, float *act) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_matmul_swiglu(be, w_gate, w_up, x, n, norm_w, eps, act);
-}
-
-static int op_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
-                            int n, int n_head, int n_head_kv, int head_dim, float theta,
-                            qc_kv_cache cache) {
-    if (use_device(be) < 0) return -1;
-    return qc_cuda_rope_kv_store(be, q, k, v, pos, n, n_head, n_head_kv, head_dim, theta, cache);
-}
+template <typename Op> struct on_device;
+template <typename... Args> struct on_device<int(qc_backend *, Args...)> {
+    template <int (*launch)(qc_backend *, Args...)> static int run(qc_backend *be, Args... args) {
+        if (use_device(be) < 0) return -1;
+        return launch(be, args...);
+    }
+};
 
 /* ---------------------------------------------------------------------------------------- */
 /* recording: a decode step captured once as a CUDA graph and replayed every step */
@@ -290,14 +217,29 @@ static void cu_destroy(qc_backend *be) {
     free(be);
 }
 
-static const qc_backend_ops cuda_ops = {
-    cu_alloc, cu_free, cu_upload, cu_download, cu_copy, cu_weight_load, cu_weight_free,
-    cu_synchronize, cu_destroy,
-    op_embed, op_rmsnorm, op_matmul, op_rope, op_kv_store, op_attention, op_swiglu, op_add,
-    op_argmax, op_sample,
-    op_matmul_add, op_matmul_multi, op_matmul_swiglu, op_rope_kv_store,
-    cu_record_begin, cu_record_end, cu_replay, cu_recording_free,
-};
+/* Filled by name, so that the table follows backend.h whatever the order of its members. */
+static qc_backend_ops make_cuda_ops(void) {
+    qc_backend_ops ops = {};
+    ops.alloc = cu_alloc;
+    ops.free = cu_free;
+    ops.upload = cu_upload;
+    ops.download = cu_download;
+    ops.copy = cu_copy;
+    ops.weight_load = cu_weight_load;
+    ops.weight_free = cu_weight_free;
+    ops.synchronize = cu_synchronize;
+    ops.destroy = cu_destroy;
+#define QC_CUDA_OP(name) ops.name = on_device<qc_op_##name>::run<qc_cuda_##name>;
+    QC_BACKEND_OPS(QC_CUDA_OP)
+#undef QC_CUDA_OP
+    ops.record_begin = cu_record_begin;
+    ops.record_end = cu_record_end;
+    ops.replay = cu_replay;
+    ops.recording_free = cu_recording_free;
+    return ops;
+}
+
+static const qc_backend_ops cuda_ops = make_cuda_ops();
 
 extern "C" int qc_cuda_device_count(void) {
     int n = 0;

@@ -4,8 +4,9 @@
  *
  * Conventions of the launchers: they enqueue work on the backend's one stream and never
  * synchronize the host, never allocate (except the prefill scratch of matmul and
- * matmul_swiglu, which grows only when a bigger matrix arrives), and read positions and token ids from device memory, so the
- * decode step can later be captured as one CUDA graph. Each returns 0, or -1 with be->err set.
+ * matmul_swiglu, which grows only when a bigger matrix arrives), and read positions and token
+ * ids from device memory, so the decode step can later be captured as one CUDA graph. Each
+ * returns 0, or -1 with be->err set.
  */
 #ifndef QC_CUDA_CUH
 #define QC_CUDA_CUH
@@ -83,20 +84,14 @@ int qc_cuda_value_error(qc_backend *be, const char *fmt, ...)
 /* Grow a device scratch buffer to at least `bytes` (the old contents are not kept). */
 int qc_cuda_scratch(qc_backend *be, void **buf, size_t *cap, size_t bytes);
 
-/* ---- launchers, one per op, in the op's file or its closest relative's; arguments as in
- * backend.h ---- */
-int qc_cuda_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, int n, float *out);
-int qc_cuda_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int dim, float eps,
-                    float *out);
-int qc_cuda_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
-                   float *out);
-int qc_cuda_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_heads, int head_dim,
-                 float theta);
-int qc_cuda_kv_store(qc_backend *be, const float *k, const float *v, const int32_t *pos, int n,
-                     int kv_dim, qc_kv_cache cache);
-int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
-                      int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
-                      float *probs);                                          /* attention.cu */
+/* ---- launchers: qc_cuda_<op> for each op of QC_BACKEND_OPS, of its type qc_op_<op>
+ * (backend.h), in the op's file or its closest relative's (add, swiglu: elementwise.cu;
+ * matmul_add: matmul.cu; rope_kv_store: rope.cu); cuda_backend.cu's table calls them on the
+ * backend's device. ---- */
+#define QC_CUDA_DECLARE(name) qc_op_##name qc_cuda_##name;
+QC_BACKEND_OPS(QC_CUDA_DECLARE)
+#undef QC_CUDA_DECLARE
+
 /* The tensor-core flash attention over an F16 cache (flash_attention.cu): the attention op
  * without scores or probabilities, for any n (decode splits the keys over blocks). */
 int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
@@ -105,24 +100,10 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
 int qc_cuda_flash_attention_init(qc_backend *be);
 /* Whether qc_cuda_flash_attention takes this head_dim. */
 static inline int qc_cuda_flash_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
-int qc_cuda_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out);
-int qc_cuda_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out);
-int qc_cuda_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out);
-int qc_cuda_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state,
-                   void *work, void *result);
-int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
-                       const float *residual, float *out);                        /* matmul.cu */
-int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                         int n, const float *norm_w, float eps);
-int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
-                          const float *x, int n, const float *norm_w, float eps, float *act);
 /* x normalised by rmsnorm into a backend scratch buffer (grown outside the decode path), for
  * the fused ops' norm where their kernels cannot normalise in shared memory. */
 int qc_cuda_norm_to_scratch(qc_backend *be, const float *x, const float *norm_w, int n, int64_t cols,
                             float eps, const float **normed);
-int qc_cuda_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, const int32_t *pos,
-                          int n, int n_head, int n_head_kv, int head_dim, float theta,
-                          qc_kv_cache cache);                                     /* rope.cu */
 
 /* A cache element from float32 (round to nearest even) and back: the one conversion every
  * kernel that writes or reads a KV cache uses. */

@@ -120,32 +120,17 @@ static const qc_backend_ops cpu_ops = {
     .weight_free = cpu_weight_free,
     .synchronize = cpu_synchronize,
     .destroy = cpu_destroy,
-    .embed = qc_cpu_embed,
-    .rmsnorm = qc_cpu_rmsnorm,
-    .matmul = qc_cpu_matmul,
-    .rope = qc_cpu_rope,
-    .kv_store = qc_cpu_kv_store,
-    .attention = qc_cpu_attention,
-    .swiglu = qc_cpu_swiglu,
-    .add = qc_cpu_add,
-    .argmax = qc_cpu_argmax,
-    .sample = qc_cpu_sample,
-    .matmul_add = qc_cpu_matmul_add,
-    .matmul_multi = qc_cpu_matmul_multi,
-    .matmul_swiglu = qc_cpu_matmul_swiglu,
-    .rope_kv_store = qc_cpu_rope_kv_store,
+#define QC_CPU_OP(name) .name = qc_cpu_##name,
+    QC_BACKEND_OPS(QC_CPU_OP)
+#undef QC_CPU_OP
 };
 
-/* The fast ops (cpu_fast.c), where this CPU has the kernels, in place of the reference's: the
- * matmul family with 8-bit activations, rmsnorm, swiglu, argmax. Every other op is shared. */
+/* The fast ops (cpu_fast.c), where this CPU has the kernels, in place of the reference's:
+ * QC_CPU_FAST_OPS (cpu_backend.h). Every other op is shared. */
 static void use_fast_ops(qc_backend_ops *ops) {
-    ops->rmsnorm = qc_cpu_fast_rmsnorm;
-    ops->matmul = qc_cpu_fast_matmul;
-    ops->swiglu = qc_cpu_fast_swiglu;
-    ops->argmax = qc_cpu_fast_argmax;
-    ops->matmul_add = qc_cpu_fast_matmul_add;
-    ops->matmul_multi = qc_cpu_fast_matmul_multi;
-    ops->matmul_swiglu = qc_cpu_fast_matmul_swiglu;
+#define QC_CPU_FAST_OP(name) ops->name = qc_cpu_fast_##name;
+    QC_CPU_FAST_OPS(QC_CPU_FAST_OP)
+#undef QC_CPU_FAST_OP
 }
 
 int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err) {
