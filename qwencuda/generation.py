@@ -30,6 +30,8 @@ them every token is drawn on the device and only its id comes back):
                           before the repetition penalty, top-k/top-p/min-p and temperature
 The lists have one entry per token from the moment the token exists, also while streaming
 (GenerationStream.tokens / .logprobs / .traces are the very lists the result gets).
+patch= (qwencuda.patching) changes tensors in every one of those passes: the generation, its
+logprobs and its traces are then the patched run's.
 """
 import sys
 import time
@@ -155,7 +157,7 @@ class _Plan:
     eog: frozenset
     progress: bool
     logprobs: int = None              # top-k of TokenLogprobs, or None: no logits come back
-    evals: dict = field(default_factory=dict)   # capture= for every prefill/step call
+    evals: dict = field(default_factory=dict)   # capture= and patch= for every prefill/step call
 
 
 def _eog_ids(tok) -> frozenset:
@@ -231,13 +233,24 @@ def _check_capture(model, capture):
     return _patterns(capture, model.capture_names())
 
 
+def _check_patch(model, patch):
+    """patch -> itself, after the check Session.prefill makes (names, edit kinds), so that a bad
+    one fails before any work."""
+    if patch is not None:
+        from .patching import as_hook
+
+        as_hook(patch, model.capture_names(), model.config.n_head)
+    return patch
+
+
 def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
           repeat_last_n, seed, stop, allow_special, chat, system, progress, max_context,
-          capture=None, logprobs=None) -> _Plan:
+          capture=None, logprobs=None, patch=None) -> _Plan:
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     logprobs = _check_logprobs(logprobs, model.config.n_vocab)
     patterns = _check_capture(model, capture)
+    patch = _check_patch(model, patch)
     sampler_kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
     from .sampling import Sampler
@@ -259,7 +272,8 @@ def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repea
         ids=ids, max_new_tokens=int(max_new_tokens), max_context=max_context,
         sampler_kwargs=sampler_kwargs,
         stops=stops, eog=_eog_ids(model.tokenizer), progress=bool(progress),
-        logprobs=logprobs, evals={} if patterns is None else {"capture": patterns},
+        logprobs=logprobs,
+        evals={k: v for k, v in (("capture", patterns), ("patch", patch)) if v is not None},
     )
 
 
@@ -390,7 +404,7 @@ def _run(model, plan, stream_obj):
 def generate(model, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
              repeat_penalty=1.0, seed=0, stop=None, stream=False, allow_special=True, chat=False,
              system=None, progress=False, max_context=None, repeat_last_n=64, capture=None,
-             logprobs=None):
+             logprobs=None, patch=None):
     """Generate text after a prompt with a qwencuda Model.
 
     prompt: a str (tokenized with special tokens recognised when allow_special) or a list of
@@ -402,14 +416,17 @@ def generate(model, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=
     capture: capture name pattern(s) as Model.forward takes them: Generation.traces gets one
     Trace per generated token (module doc). logprobs: an int k >= 0: Generation.logprobs gets
     one TokenLogprobs per generated token with the k most likely alternatives. Neither changes
-    the tokens drawn; without them no logits leave the device.
+    the tokens drawn; without them no logits leave the device. patch: {capture name or glob:
+    edit} as Session.prefill takes it (qwencuda.patching), applied in every call: the prompt's
+    prefill and each step (rows count within the call); the tokens are drawn from the patched
+    logits, and logprobs and traces show the patched run.
 
     Returns a Generation, or with stream=True a GenerationStream of text pieces whose
     `.result` is the Generation after the last piece. Bad arguments and prompts that do not
     fit raise ValueError at call time, before any work (also with stream=True)."""
     plan = _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p,
                  repeat_penalty, repeat_last_n, seed, stop, allow_special, chat, system,
-                 progress, max_context, capture=capture, logprobs=logprobs)
+                 progress, max_context, capture=capture, logprobs=logprobs, patch=patch)
     it = GenerationStream(lambda stream: _run(model, plan, stream),
                           logprobs=plan.logprobs is not None, traces=bool(plan.evals.get("capture")))
     if stream:

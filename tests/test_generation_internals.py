@@ -305,6 +305,56 @@ def test_bad_capture_and_logprobs_before_any_work(tiny, monkeypatch):
     assert np.exp([v for _, _, v in g.logprobs[0].top]).sum() == pytest.approx(1.0, abs=1e-9)
 
 
+# ------------------------------------------------------------------------------- patch=
+
+def test_patched_logits_choose_the_tokens(tiny):
+    """A patch of the logits reaches the sampler on the device and the logprobs alike."""
+    bias = np.zeros(tiny.config.n_vocab, dtype=np.float32)
+    bias[77] = 1e4
+    g = generate(tiny, PROMPT, max_new_tokens=4, logprobs=2, patch={"logits": qc.Add(bias)})
+    assert g.tokens == [77] * 4
+    assert all(e.logprob == pytest.approx(0.0, abs=1e-9) and e.top[0][0] == 77 for e in g.logprobs)
+
+
+def test_patch_in_every_call_equals_a_hand_loop(tiny):
+    """A steering vector on every token's residual stream: generate() equals prefill/step with
+    the same patch written out, tokens, logprobs and traces."""
+    rng = np.random.default_rng(5)
+    patch = {"blk.0.resid_out": qc.Add(rng.standard_normal(tiny.config.dim).astype(np.float32) * 2)}
+    g = generate(tiny, PROMPT, max_new_tokens=6, logprobs=3, capture="blk.1.attn_probs", patch=patch)
+    assert g.tokens != generate(tiny, PROMPT, max_new_tokens=6).tokens   # the patch matters
+    with tiny.session(max_context=len(g.prompt_tokens) + 6) as s:
+        want = [s.prefill(g.prompt_tokens, capture="blk.1.attn_probs", patch=patch)]
+        for t in g.tokens[:-1]:
+            want.append(s.step(t, capture="blk.1.attn_probs", patch=patch))
+    for entry, token, tr, w in zip(g.logprobs, g.tokens, g.traces, want):
+        assert token == int(w.argmax[-1])
+        _check_token_logprobs(tiny.tokenizer, entry, w.logits[-1], token, 3)
+        np.testing.assert_array_equal(tr["blk.1.attn_probs"], w["blk.1.attn_probs"])
+
+
+def test_patched_logprobs_against_the_reference(tiny_path):
+    """The same patch in the NumPy reference, fed the engine's tokens (tolerance as above)."""
+    patch = {"blk.*.attn_probs": qc.ZeroHeads([1])}
+    with qc.Model(tiny_path, device="cpu:float", threads=1) as m:
+        g = generate(m, PROMPT, max_new_tokens=5, logprobs=4, patch=patch)
+    ref = qc.reference.forward_steps(qc.reference.load(tiny_path), g.prompt_tokens + g.tokens[:-1],
+                                     len(g.prompt_tokens), capture=None, patch=patch)
+    for entry, token, tr in zip(g.logprobs, g.tokens, ref):
+        want = _logprobs(tr.logits[-1])
+        tol = 2e-3 * np.max(np.abs(tr.logits[-1]))
+        assert abs(entry.logprob - want[token]) <= tol
+        assert max(abs(v - want[t]) for t, _, v in entry.top) <= tol
+
+
+def test_bad_patch_before_any_work(tiny, monkeypatch):
+    monkeypatch.setattr(tiny, "session", lambda *a, **kw: pytest.fail("a session was made"))
+    with pytest.raises(ValueError, match="matches no tensor"):
+        generate(tiny, PROMPT, patch={"blk.9.nope": 0.0}, stream=True)
+    with pytest.raises(TypeError, match="patch must be a dict"):
+        tiny.chat([{"role": "user", "content": "Hi"}], patch=[qc.Scale(2.0)])
+
+
 # ------------------------------------------------------------------------ the command line
 
 def _cli_generate(path, *extra):
