@@ -92,15 +92,11 @@ def test_fake_stream_lists_grow_with_the_tokens(fake):
     for piece in it:
         seen += piece
         assert len(it.logprobs) == len(it.tokens) >= len(seen.encode())
-        assert m_text(it.tokens).startswith(seen)
+        assert FakeModel("").tokenizer.decode(it.tokens).startswith(seen)
         assert [e.token for e in it.logprobs] == it.tokens
     g = it.result
     assert g.text == "ab<Xcd" and g.stop_reason == "stop"
     assert it.tokens is g.tokens and it.logprobs is g.logprobs
-
-
-def m_text(ids):
-    return FakeModel("").tokenizer.decode(ids)
 
 
 def test_fake_cancelled_stream_keeps_what_was_made(fake):
