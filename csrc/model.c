@@ -300,6 +300,13 @@ static int backend_room(const qc_backend *be, size_t *room, size_t *total, const
     return 0;
 }
 
+/* "cuda:N" for a device with an ordinal, "cpu" */
+static const char *where(const qc_backend *be, char *buf, size_t size) {
+    if (copies_matrices(be)) snprintf(buf, size, "%s:%d", be->name, be->device);
+    else snprintf(buf, size, "%s", be->name);
+    return buf;
+}
+
 /* bytes as "1.23 GiB", "4.5 MiB" or "6.7 KiB" in buf */
 static const char *human(char *buf, size_t size, size_t bytes) {
     if ((double)bytes >= QC_GIB) snprintf(buf, size, "%.2f GiB", (double)bytes / QC_GIB);
@@ -314,12 +321,11 @@ static int check_fits(const qc_model *m, const char *path, qc_error *err) {
     const qc_backend *be = m->be;
     size_t mat, vec, room, total;
     const char *limit;
-    char where[32], h[4][32];
+    char dev[32], h[4][32];
     backend_bytes(m->file, &m->cfg, copies_matrices(be), &mat, &vec);
     if (backend_room(be, &room, &total, &limit, err) < 0) return -1;
     if (mat + vec <= room) return 0;
-    if (copies_matrices(be)) snprintf(where, sizeof where, "%s:%d", be->name, be->device);
-    else snprintf(where, sizeof where, "%s", be->name);
+    where(be, dev, sizeof dev);
     human(h[0], sizeof h[0], mat + vec);
     human(h[1], sizeof h[1], mat);
     human(h[2], sizeof h[2], vec);
@@ -329,12 +335,12 @@ static int check_fits(const qc_model *m, const char *path, qc_error *err) {
                        "norms and biases %s as float32) on %s, which has %zu bytes (%s) free of %.2f "
                        "GiB, and the KV cache comes on top. Use a smaller quantization (Q4_K_M takes "
                        "about 30%% of F16) or free the GPU",
-                       path, mat + vec, h[0], h[1], h[2], where, room, human(h[3], sizeof h[3], room),
+                       path, mat + vec, h[0], h[1], h[2], dev, room, human(h[3], sizeof h[3], room),
                        (double)total / QC_GIB);
     return qc_fail(err, QC_ERR_NOMEM,
                    "%.120s does not fit: its weights need %zu bytes (%s: matrices %s as stored, norms "
                    "and biases %s as float32) on %s, more than QWENCUDA_MEMORY_LIMIT = %zu bytes",
-                   path, mat + vec, h[0], h[1], h[2], where, room);
+                   path, mat + vec, h[0], h[1], h[2], dev, room);
 }
 
 /* A weight that could not be placed: when the device has too little free memory left for it (the
@@ -348,10 +354,17 @@ static int place_failed(const qc_model *m, const char *name, size_t bytes, qc_er
     if (copies_matrices(be) && qc_cuda_mem_info(be->device, &free_b, &total_b, &ignored) < 0)
         free_b = SIZE_MAX;
 #endif
-    if (be->err.kind == QC_ERR_NOMEM || free_b < bytes)
-        return qc_fail(err, QC_ERR_NOMEM, "%s: out of memory placing %zu bytes on %s:%d (%zu bytes "
-                       "free of %zu now): %s", name, bytes, be->name, be->device, free_b, total_b,
-                       be->err.msg);
+    char dev[32];
+    size_t mat, vec;
+    backend_bytes(m->file, &m->cfg, copies_matrices(be), &mat, &vec);
+    if (free_b < bytes)
+        return qc_fail(err, QC_ERR_NOMEM, "%s: out of memory placing %zu bytes on %s, which has %zu "
+                       "bytes free of %zu now (the model's weights need %zu in all): %s", name, bytes,
+                       where(be, dev, sizeof dev), free_b, total_b, mat + vec, be->err.msg);
+    if (be->err.kind == QC_ERR_NOMEM)
+        return qc_fail(err, QC_ERR_NOMEM, "%s: out of memory placing %zu bytes on %s (the model's "
+                       "weights need %zu in all): %s", name, bytes, where(be, dev, sizeof dev),
+                       mat + vec, be->err.msg);
     return qc_fail(err, be->err.kind, "%s: %s", name, be->err.msg);
 }
 
