@@ -269,3 +269,16 @@ def test_bench_sizes_script(tmp_path):
     rows = [l for l in out.stdout.splitlines() if l.startswith("| tiny-hd64")]
     assert len(rows) == 2 and "Q8_0" in rows[0] and "F16" in rows[1], out.stdout
     assert "prefill" in out.stderr and not [p for p in os.listdir(tmp_path) if p.endswith(".gguf")]
+
+
+def test_readme_memory_table():
+    """README's table of what fits on an 80 GB GPU is memory_needed's (32k context, F16 cache)."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\d+B) \| ([\d.]+) \| ([\d.]+)[^|]* \| ([\d.]+)[^|]* \| ([\d.]+) \|$", readme, re.M)
+    assert [r[0] for r in rows] == ["7B", "14B", "32B", "72B"]
+    for shape, *cells in rows:
+        got = [sy.memory_needed(shape, t)["total"] / 2**30 for t in ("q4_k_m", "q8_0", "f16")]
+        got.append(sy.memory_needed(shape, "f16")["kv_cache"] / 2**30)
+        for text, value in zip(cells, got):   # rounded to the digits shown
+            decimals = len(text.split(".")[1]) if "." in text else 0
+            assert abs(float(text) - value) <= 0.5 * 10.0 ** -decimals, (shape, text, value)
