@@ -65,6 +65,12 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* m_size -1 (single-phase init, one module per process), not per-module state: the exception
+ * types are read by qc_py_raise from every binding, including the methods of the types of
+ * py_gguf.c, py_model.c, py_sampler.c and py_tokenizer.c, which hold no reference to the module;
+ * reaching module state from there needs those types made with PyType_FromModuleAndSpec and
+ * looked up through PyType_GetModuleByDef in each binding file. Multi-phase init without that
+ * would let a second module (a subinterpreter) replace the process-wide exception types. */
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "qwencuda._core",
     "qwencuda's C core: GGUF reader, block formats, CPU and CUDA engines, tokenizer, sampler.",

@@ -591,6 +591,25 @@ def test_rope_kv_store(device, head_dim, positions, ratio):
     np.testing.assert_array_equal(k_rot, K.rope(k, pos, theta=1e6, device=device))
 
 
+@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
+def test_kv_stores_of_no_tokens(device, cache_dtype):
+    """Zero tokens store nothing: the caches come back as they went (rope_kv_store returned
+    uninitialised caches here once)."""
+    rng = np.random.default_rng(41)
+    kc = rng.standard_normal((5, 8)).astype(cache_dtype)
+    vc = rng.standard_normal((5, 8)).astype(cache_dtype)
+    none = np.zeros(0, np.int32)
+    kc2, vc2 = K.kv_store(np.zeros((0, 8)), np.zeros((0, 8)), none, kc, vc, device=device)
+    np.testing.assert_array_equal(kc2, kc)
+    np.testing.assert_array_equal(vc2, vc)
+    q_rot, k_rot, kc2, vc2 = K.rope_kv_store(np.zeros((0, 4, 4)), np.zeros((0, 2, 4)), np.zeros((0, 2, 4)),
+                                             none, kc, vc, device=device)
+    assert q_rot.shape == (0, 4, 4) and k_rot.shape == (0, 2, 4)
+    np.testing.assert_array_equal(kc2, kc)
+    np.testing.assert_array_equal(vc2, vc)
+    assert kc2.dtype == vc2.dtype == cache_dtype
+
+
 def test_fused_argument_errors():
     w, _ = random_weight("Q8_0", 4, 64)
     w2, _ = random_weight("Q8_0", 4, 96)
