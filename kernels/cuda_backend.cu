@@ -63,8 +63,10 @@ static int cu_alloc(qc_backend *be, size_t bytes, void **out) {
     if (e != cudaSuccess) {
         *out = NULL;
         cudaGetLastError();
-        return qc_fail(&be->err, QC_ERR_CUDA, "cudaMalloc(%zu bytes) failed on cuda:%d: %s (%s)", bytes,
-                       be->device, cudaGetErrorString(e), cudaGetErrorName(e));
+        /* out of GPU memory is MemoryError (the caller can free something and go on) */
+        return qc_fail(&be->err, e == cudaErrorMemoryAllocation ? QC_ERR_NOMEM : QC_ERR_CUDA,
+                       "cudaMalloc(%zu bytes) failed on cuda:%d: %s (%s)", bytes, be->device,
+                       cudaGetErrorString(e), cudaGetErrorName(e));
     }
     return 0;
 }
@@ -113,7 +115,8 @@ int qc_cuda_scratch(qc_backend *be, void **buf, size_t *cap, size_t bytes) {
     if (e != cudaSuccess) {
         *buf = NULL;
         cudaGetLastError();
-        return qc_fail(&be->err, QC_ERR_CUDA, "cudaMalloc(%zu bytes) for the matmul scratch failed on cuda:%d: %s (%s)",
+        return qc_fail(&be->err, e == cudaErrorMemoryAllocation ? QC_ERR_NOMEM : QC_ERR_CUDA,
+                       "cudaMalloc(%zu bytes) for the matmul scratch failed on cuda:%d: %s (%s)",
                        bytes, be->device, cudaGetErrorString(e), cudaGetErrorName(e));
     }
     *cap = bytes;

@@ -231,13 +231,13 @@ def test_load_close_20_times_returns_memory(synth_dir):
     assert free1 >= free0 - (16 << 20), f"GPU memory lost over 20 load/close cycles: {(free0 - free1) >> 20} MiB"
 
 
-def test_out_of_memory_is_cuda_error_and_recoverable(synth_dir):
+def test_out_of_memory_is_memory_error_and_recoverable(synth_dir):
     path = synth(synth_dir, "tiny", "q8_0")
     with qwencuda.Model(path, device="cuda") as m:
-        with pytest.raises((qwencuda.CudaError, ValueError)) as ei:
+        with pytest.raises((MemoryError, ValueError)) as ei:
             m.session(max_context=2**31 - 1)          # TiBs of KV cache
-        if isinstance(ei.value, qwencuda.CudaError):
-            assert "cudaMalloc" in str(ei.value)
+        if isinstance(ei.value, MemoryError):
+            assert "cudaMalloc" in str(ei.value) and "KV cache" in str(ei.value)
         # the backend is still usable
         tr = m.forward(_ids(4, 400), logits="last")
         assert np.isfinite(tr.logits).all()
