@@ -12,7 +12,11 @@
  *  - rmsnorm: the float64 sum of squares in 8 SIMD lanes, then cpu_ops.c's float32 scaling.
  *  - swiglu (and the fused one): silu(g) * u with an 8-wide exp (~2 ulp, cpu_simd.h).
  *  - argmax: SIMD maximum, then the first index equal to it (the reference's answer).
- * embed, rope, kv_store, attention, add and sample are cpu_ops.c's.
+ *  - attention: each (head, query) row's scores, softmax and weighted values in float32, 8
+ *    lanes (cpu_simd.h); the reference takes float64 exponentials and sums. A row's value does
+ *    not depend on the other rows of the call, so prefill still equals decode bit for bit.
+ *  - sample: a greedy draw without a repetition penalty by the argmax kernel.
+ * embed, rope, kv_store, add and the other draws are cpu_ops.c's.
  */
 #include "cpu_backend.h"
 
@@ -20,6 +24,7 @@
 #include <string.h>
 
 #include "quants.h"
+#include "sampler.h"
 
 static qc_cpu_state *state(qc_backend *be) { return be->impl; }
 
@@ -336,6 +341,73 @@ int qc_cpu_fast_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* attention                                                                                   */
+
+/* Attention below this many multiply-adds (query rows x keys x head_dim x heads) runs on the
+ * calling thread: 14 heads of 64 over 73 keys, ~15 µs of work on one Zen 3 core. */
+#define QC_FAST_ATTN_PARALLEL_MIN (1 << 16)
+
+typedef struct {
+    qc_backend *be;
+    const float *q;
+    qc_kv_cache cache;
+    const int32_t *pos;
+    int n, n_kv, n_head, n_head_kv, head_dim;
+    float *out, *scores, *probs;
+} attn_job;
+
+/* Items are (head, query) rows, head-major (cpu_ops.c's order): scores, softmax and the weighted
+ * values of one row by the kernels of cpu_simd.h, in the thread's scratch. */
+static void attn_rows(void *ctx, int64_t begin, int64_t end, int worker) {
+    const attn_job *j = ctx;
+    const qc_simd_kernels *k = state(j->be)->simd;
+    const int hd = j->head_dim, group = j->n_head / j->n_head_kv, f16 = j->cache.type == QC_KV_F16;
+    const int64_t kv_dim = (int64_t)j->n_head_kv * hd;
+    const size_t esize = qc_kv_type_size(j->cache.type);
+    const float scale = 1.0f / sqrtf((float)hd);
+    float *s = state(j->be)->scratch[worker];
+    for (int64_t item = begin; item < end; item++) {
+        const int h = (int)(item / j->n), t = (int)(item % j->n);
+        const int keys = j->pos[t] + 1;                 /* causal: keys 0..pos[t] */
+        const size_t head_at = (size_t)(h / group) * (size_t)hd * esize;   /* GQA: KV head h/group */
+        const float *qv = j->q + ((size_t)t * j->n_head + h) * (size_t)hd;
+        const size_t off = ((size_t)h * j->n + t) * (size_t)j->n_kv;
+        k->attn_scores(qv, (const uint8_t *)j->cache.k + head_at, f16, kv_dim, keys, hd, scale, s);
+        if (j->scores) {
+            memcpy(j->scores + off, s, sizeof(float) * (size_t)keys);
+            for (int c = keys; c < j->n_kv; c++) j->scores[off + c] = -INFINITY;
+        }
+        k->softmax(s, keys);
+        if (j->probs) {
+            memcpy(j->probs + off, s, sizeof(float) * (size_t)keys);
+            for (int c = keys; c < j->n_kv; c++) j->probs[off + c] = 0.0f;
+        }
+        k->attn_values(s, (const uint8_t *)j->cache.v + head_at, f16, kv_dim, keys, hd,
+                       j->out + ((size_t)t * j->n_head + h) * (size_t)hd);
+    }
+}
+
+int qc_cpu_fast_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
+                          int n_kv, int n_head, int n_head_kv, int head_dim, float *out, float *scores,
+                          float *probs) {
+    /* What the kernels do not take (and every bad argument) goes to the reference op, which
+     * checks the arguments and says what is wrong. */
+    int ok = n > 0 && n_kv > 0 && head_dim > 0 && head_dim % 8 == 0 && n_head_kv > 0 && n_head > 0 &&
+             n_head % n_head_kv == 0 && (cache.type == QC_KV_F32 || cache.type == QC_KV_F16);
+    for (int t = 0; ok && t < n; t++) ok = pos[t] >= 0 && pos[t] < n_kv;
+    if (!ok)
+        return qc_cpu_attention(be, q, cache, pos, n, n_kv, n_head, n_head_kv, head_dim, out, scores, probs);
+    if (qc_cpu_scratch(be, (size_t)n_kv) < 0) return -1;
+    attn_job job = {be, q, cache, pos, n, n_kv, n_head, n_head_kv, head_dim, out, scores, probs};
+    const int64_t items = (int64_t)n_head * n;
+    int64_t work = 0;   /* multiply-adds: the causal rows' keys, times head_dim, times heads */
+    for (int t = 0; t < n; t++) work += (int64_t)(pos[t] + 1) * head_dim * n_head;
+    if (work < QC_FAST_ATTN_PARALLEL_MIN) attn_rows(&job, 0, items, 0);
+    else qc_pool_run_chunks(state(be)->pool, items, attn_rows, &job);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* swiglu, argmax                                                                              */
 
 typedef struct {
@@ -356,6 +428,27 @@ int qc_cpu_fast_swiglu(qc_backend *be, const float *gate, const float *up, int64
     if (count < QC_FAST_PARALLEL_MIN) swiglu_range(&job, 0, count, 0);
     else qc_pool_run(state(be)->pool, count, swiglu_range, &job);
     return 0;
+}
+
+/* A greedy draw without a repetition penalty is the argmax (sampler.c: the first largest logit,
+ * NaN never chosen, the RNG untouched); every other draw, and a row with no finite or +inf
+ * maximum (the sampler's -1), is the reference op's. The reference copies and scans the logits
+ * in plain C (~0.3 ms for Qwen's 151,936 per decode step). */
+int qc_cpu_fast_sample(qc_backend *be, const float *logits, int64_t n_vocab, const void *state_mem,
+                       void *work, void *result_mem) {
+    const qc_sample_state *st = state_mem;
+    if (n_vocab > 0 && n_vocab <= INT32_MAX && st->temperature <= 0.0f &&
+        (st->repeat_penalty == 1.0f || st->n_history <= 0)) {
+        const int64_t best = state(be)->simd->argmax(logits, n_vocab);
+        if (logits[best] == logits[best] && logits[best] != -INFINITY) {
+            qc_sample_result *res = result_mem;
+            res->token = (int32_t)best;
+            res->rng = st->rng;
+            res->pad = 0;
+            return 0;
+        }
+    }
+    return qc_cpu_sample(be, logits, n_vocab, state_mem, work, result_mem);
 }
 
 int qc_cpu_fast_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t *out) {

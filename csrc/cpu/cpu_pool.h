@@ -14,7 +14,8 @@ qc_pool *qc_pool_create(int n_threads);
 void qc_pool_destroy(qc_pool *pool);   /* joins the workers; NULL ok */
 int qc_pool_threads(const qc_pool *pool);
 
-/* Split [0, n) into contiguous chunks, one per thread, run fn on each and wait for all. */
+/* Split [0, n) into contiguous slices, one per thread (each run by whichever thread is free:
+ * a slice's bounds never depend on the thread), run fn on each and wait for all. */
 void qc_pool_run(qc_pool *pool, int64_t n, qc_pool_fn fn, void *ctx);
 
 /* Run fn(ctx, i, i + 1, worker) for every i in [0, n), each item taken by whichever thread is

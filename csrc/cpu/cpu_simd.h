@@ -56,6 +56,17 @@ typedef double (*qc_sumsq_fn)(const float *x, int64_t n);
 /* The index of the first maximum of x[n] (NaN never wins, all-NaN gives 0). */
 typedef int64_t (*qc_argmax_fn)(const float *x, int64_t n);
 
+/* Attention over the keys of one KV head for one query (cpu_fast.c's attention). The keys and
+ * values are rows `stride` elements apart, float32 or (f16 != 0) IEEE halves; head_dim is a
+ * multiple of 8. scores: s[k] = dot(q, key k) * scale, k < n_keys (float32, 8 lanes);
+ * softmax: s = exp(s - max) / their sum, in place (float32, the 8-wide exp of silu_mul);
+ * values: out[d] = sum_k p[k] * value k [d], accumulated in key order (float32). */
+typedef void (*qc_attn_scores_fn)(const float *q, const void *k, int f16, int64_t stride, int n_keys,
+                                  int head_dim, float scale, float *s);
+typedef void (*qc_softmax_fn)(float *s, int n);
+typedef void (*qc_attn_values_fn)(const float *p, const void *v, int f16, int64_t stride, int n_keys,
+                                  int head_dim, float *out);
+
 typedef struct {
     const char *name;                      /* "avx2+fma+f16c": what build_info reports */
     qc_q8_quantize_fn quantize;
@@ -64,6 +75,9 @@ typedef struct {
     qc_silu_mul_fn silu_mul;
     qc_sumsq_fn sumsq;
     qc_argmax_fn argmax;
+    qc_attn_scores_fn attn_scores;
+    qc_softmax_fn softmax;
+    qc_attn_values_fn attn_values;
 } qc_simd_kernels;
 
 /* The fast kernels this CPU runs, or NULL (no AVX2 + FMA + F16C, or not x86-64): detected once

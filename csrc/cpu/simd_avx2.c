@@ -451,6 +451,97 @@ QC_AVX2 static int64_t argmax_avx2(const float *x, int64_t n) {
     return 0;   /* only NaN */
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* attention of one query over one KV head's keys                                            */
+
+/* 8 elements of a cache row: float32, or halves through F16C */
+QC_AVX2_INLINE __m256 load_kv8(const void *base, int f16, int64_t at) {
+    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)));
+    return _mm256_loadu_ps((const float *)base + at);
+}
+
+QC_AVX2_INLINE void attn_scores_t(const float *q, const void *k, int f16, int64_t stride, int n_keys,
+                                  int hd, float scale, float *s) {
+    for (int key = 0; key < n_keys; key++) {
+        const int64_t row = (int64_t)key * stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 16 <= hd; d += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_kv8(k, f16, row + d), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load_kv8(k, f16, row + d + 8), a1);
+        }
+        if (d < hd) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_kv8(k, f16, row + d), a0);
+        s[key] = hsum_ps(_mm256_add_ps(a0, a1)) * scale;
+    }
+}
+
+/* the F16 and F32 caches each get their own loop (f16 a constant in each) */
+QC_AVX2 static void attn_scores_avx2(const float *q, const void *k, int f16, int64_t stride, int n_keys,
+                                     int hd, float scale, float *s) {
+    if (f16) attn_scores_t(q, k, 1, stride, n_keys, hd, scale, s);
+    else attn_scores_t(q, k, 0, stride, n_keys, hd, scale, s);
+}
+
+/* s = exp(s - max) / sum: the maximum in 8 lanes, the exponentials and their sum in 8 lanes (the
+ * tail through a padded vector, its lanes past n left out of the sum), then the division. */
+QC_AVX2 static void softmax_avx2(float *s, int n) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(s + i), m8);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float mx = _mm_cvtss_f32(m4);
+    for (int j = i; j < n; j++)
+        if (s[j] > mx) mx = s[j];
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
+        _mm256_storeu_ps(s + i, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum_ps(sum8);
+    if (i < n) {
+        float buf[8];
+        for (int j = 0; j < 8; j++) buf[j] = i + j < n ? s[i + j] : mx;
+        _mm256_storeu_ps(buf, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(buf), vmx)));
+        for (int j = 0; i + j < n; j++) {
+            s[i + j] = buf[j];
+            sum += buf[j];
+        }
+    }
+    const __m256 vsum = _mm256_set1_ps(sum);
+    for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_div_ps(_mm256_loadu_ps(s + i), vsum));
+    for (; i < n; i++) s[i] = s[i] / sum;
+}
+
+/* out[d0 .. d0 + 8 * W) over every key, W vectors of accumulators held in registers */
+QC_AVX2_INLINE void attn_values_cols(const float *p, const void *v, int f16, int64_t stride, int n_keys,
+                                     int d0, int w, float *out) {
+    __m256 acc[8];
+    for (int j = 0; j < w; j++) acc[j] = _mm256_setzero_ps();
+    for (int key = 0; key < n_keys; key++) {
+        const __m256 pk = _mm256_broadcast_ss(p + key);
+        const int64_t row = (int64_t)key * stride + d0;
+        for (int j = 0; j < w; j++) acc[j] = _mm256_fmadd_ps(pk, load_kv8(v, f16, row + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < w; j++) _mm256_storeu_ps(out + d0 + 8 * j, acc[j]);
+}
+
+QC_AVX2 static void attn_values_avx2(const float *p, const void *v, int f16, int64_t stride, int n_keys,
+                                     int hd, float *out) {
+    int d0 = 0;
+    for (; d0 + 64 <= hd; d0 += 64) {
+        if (f16) attn_values_cols(p, v, 1, stride, n_keys, d0, 8, out);
+        else attn_values_cols(p, v, 0, stride, n_keys, d0, 8, out);
+    }
+    for (; d0 < hd; d0 += 8) {
+        if (f16) attn_values_cols(p, v, 1, stride, n_keys, d0, 1, out);
+        else attn_values_cols(p, v, 0, stride, n_keys, d0, 1, out);
+    }
+}
+
 static const qc_simd_kernels avx2_kernels = {
     .name = "avx2+fma+f16c",
     .quantize = quantize_avx2,
@@ -468,6 +559,9 @@ static const qc_simd_kernels avx2_kernels = {
     .silu_mul = silu_mul_avx2,
     .sumsq = sumsq_avx2,
     .argmax = argmax_avx2,
+    .attn_scores = attn_scores_avx2,
+    .softmax = softmax_avx2,
+    .attn_values = attn_values_avx2,
 };
 
 QC_AVX2 static void fill_f16_table(void) {
