@@ -152,3 +152,19 @@ def test_real_model_faults(real_model_path):
                      faults=faults)
         assert d.fault == fault, str(d)
         assert d.divergence == reference.FIRST_AFFECTED[fault]
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+def test_real_model_bf16_dumps(real_model_path):
+    """A bf16-rounded dump of one fault on Qwen2.5-Coder-0.5B: named at the default settings and
+    localised by substitution (three variants tried, to keep the run short)."""
+    from qwencuda.diagnose import round_to
+
+    ref = reference._model(real_model_path)
+    ids = [40, 1079, 264, 6514, 911]
+    bad = variant(ref, ids, "rope_interleaved")
+    dumps = {n: round_to(v, "bf16") if v.dtype.kind == "f" else v for n, v in bad.tensors.items()}
+    d = diagnose(dumps, ref, ids, faults=["rope_interleaved", "rope_base_1e4", "no_qkv_bias"], localise=True)
+    assert d.precision == "bf16" and d.fault == "rope_interleaved", str(d)
+    assert d.divergence == "blk.0.q_rope" and d.localisation.bad == "blk.0.q_rope"
