@@ -38,6 +38,9 @@ static qc_cpu_state *state(qc_backend *be) { return be->impl; }
 /* Rows of a prefill's tile (see part_dots): 64 rows of 896 Q5_0 values are 39 KiB. */
 #define QC_ROW_TILE 64
 
+/* Weight bytes of a decode step's item of work (see fast_run): ~15 µs of one core's time. */
+#define QC_DECODE_ITEM_BYTES (256 * 1024)
+
 /* ---------------------------------------------------------------------------------------- */
 /* rmsnorm                                                                                     */
 
@@ -270,9 +273,22 @@ static int fast_run(qc_backend *be, fast_job *job) {
     const size_t extra = (size_t)job->n * (job->swiglu ? QC_SWIGLU_CHUNK : 1);
     if (qc_cpu_scratch(be, (size_t)job->cols + extra) < 0) return -1;
     if (need_q8 && (job->xq = quantize_x(be, job->x, job->n, job->cols)) == NULL) return -1;
-    /* decode: 32 rows per item (an attention projection of 896 rows is 28 items, so two threads
-     * balance); prefill: a tile of QC_ROW_TILE rows, whose weights stay in L2 (part_dots) */
-    job->chunk_rows = job->swiglu ? QC_SWIGLU_CHUNK : job->n == 1 ? 32 : QC_ROW_TILE;
+    /* prefill: a tile of QC_ROW_TILE rows, whose weights stay in L2 (part_dots); decode: about
+     * QC_DECODE_ITEM_BYTES of weights per item, so that the items' claims (an atomic on a line
+     * both cores write) cost little beside their work (the lm_head: 594 items instead of 4748
+     * of 32 rows), but at least 8 items per thread (an attention projection of 896 rows is 28
+     * items of 32), so that a thread slowed down by another process is made up for */
+    if (job->swiglu) job->chunk_rows = QC_SWIGLU_CHUNK;
+    else if (job->n > 1) job->chunk_rows = QC_ROW_TILE;
+    else {
+        int64_t row_bytes = 1;
+        for (int i = 0; i < job->n_parts; i++)
+            if (job->part[i].row_bytes > row_bytes) row_bytes = job->part[i].row_bytes;
+        int64_t r = QC_DECODE_ITEM_BYTES / row_bytes;
+        const int64_t cap = rows / (8 * (int64_t)qc_pool_threads(state(be)->pool));
+        if (r > cap) r = cap;
+        job->chunk_rows = r < 32 ? 32 : r / 32 * 32;
+    }
     int64_t items = 0;
     for (int i = 0; i < (job->swiglu ? 1 : job->n_parts); i++)
         items += job->chunks[i] = (job->part[i].w->rows + job->chunk_rows - 1) / job->chunk_rows;

@@ -2,7 +2,7 @@
  *
  * A decode step of Qwen2.5-0.5B runs ~170 parallel loops of 20-500 µs each. Waking a thread
  * through a condition variable costs 25-45 µs on the machines we measured (6 ms per token), so
- * workers first spin on the claim word for a while (QC_POOL_SPIN polls, some tens of µs) and
+ * workers first spin on the claim word for a while (QC_POOL_SPIN polls, ~130 µs) and
  * only then sleep; the caller likewise spins for the loop's items to finish. Between steps (or
  * when Python is idle) the workers sleep and use no CPU.
  *
