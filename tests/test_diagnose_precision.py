@@ -97,6 +97,18 @@ def test_each_fault_is_named_from_half_precision_dumps(ref, fault, fmt, how):
     assert d.variants[0].fault == fault
 
 
+@pytest.mark.parametrize("fault", sorted(reference.FAULTS))
+def test_bf16_dumps_through_llamacpp_names(ref, fault):
+    """llama.cpp's names and layout: raw kq with 256 padded key cells, the last layer's output
+    rows only (all rows for kv_pos_stuck, which shows from the second token on)."""
+    tr = reference.forward(ref, IDS, faults=(fault,))
+    rounded = {n: round_to(v, "bf16") if v.dtype.kind == "f" else v for n, v in tr.tensors.items()}
+    dumps = namemaps.to_llamacpp(rounded, kv_pad=256, last_row_only=fault != "kv_pos_stuck")
+    d = diagnose(dumps, ref, IDS, name_map="llama.cpp", localise=True)
+    assert d.precision == "bf16" and d.fault == fault, str(d)
+    assert d.divergence == d.localisation.bad == reference.FIRST_AFFECTED[fault]
+
+
 @pytest.mark.parametrize("how", ["rounded", "computed"])
 @pytest.mark.parametrize("fmt", HALF)
 def test_correct_half_precision_dumps_have_no_divergence(ref, fmt, how):
