@@ -460,18 +460,37 @@ QC_AVX2_INLINE __m256 load_kv8(const void *base, int f16, int64_t at) {
     return _mm256_loadu_ps((const float *)base + at);
 }
 
+/* The eight sums of a[0..7]'s lanes, lane k = the sum of a[k]: each by the same additions,
+ * ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), whatever its lane. */
+QC_AVX2_INLINE __m256 hsum8x8(const __m256 a[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Eight keys at a time, one accumulator each, reduced together (hsum8x8): a key's score is the
+ * same sequence of operations in any lane, so it does not depend on n_keys. The last group
+ * repeats the last key in its unused lanes (never reading past it) and stores only the rest. */
 QC_AVX2_INLINE void attn_scores_t(const float *q, const void *k, int f16, int64_t stride, int n_keys,
                                   int hd, float scale, float *s) {
-    for (int key = 0; key < n_keys; key++) {
-        const int64_t row = (int64_t)key * stride;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int d = 0;
-        for (; d + 16 <= hd; d += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_kv8(k, f16, row + d), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load_kv8(k, f16, row + d + 8), a1);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int k0 = 0; k0 < n_keys; k0 += 8) {
+        int64_t row[8];
+        for (int j = 0; j < 8; j++) row[j] = (int64_t)(k0 + j < n_keys ? k0 + j : n_keys - 1) * stride;
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + d);
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qd, load_kv8(k, f16, row[j] + d), acc[j]);
         }
-        if (d < hd) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_kv8(k, f16, row + d), a0);
-        s[key] = hsum_ps(_mm256_add_ps(a0, a1)) * scale;
+        const __m256 v = _mm256_mul_ps(hsum8x8(acc), vscale);
+        if (k0 + 8 <= n_keys) {
+            _mm256_storeu_ps(s + k0, v);
+        } else {
+            float buf[8];
+            _mm256_storeu_ps(buf, v);
+            for (int j = 0; k0 + j < n_keys; j++) s[k0 + j] = buf[j];
+        }
     }
 }
 
