@@ -21,7 +21,7 @@
 
 #include <cuda_fp16.h>
 
-#define QC_TILE_ELEMS (16ll << 20)      /* prefill dequantization tile: 32 MiB as f16 */
+#define QC_TILE_ELEMS (128ll << 20)     /* prefill dequantization tile: 256 MiB as f16 (a 7B matrix whole) */
 
 /* Tokens t0 .. t0 + NT - 1 (those < n) of x against the rows of W: with S = 1 row
  * blockIdx.x * WARPS + warp, one warp each; with S = QC_GEMV_WARPS row blockIdx.x, its parts
@@ -138,8 +138,11 @@ static int matmul_cublas(qc_backend *be, const qc_weight *w, const float *bias, 
         if (w->type == QC_TYPE_F16) {
             if (gemm(be, w->data, CUDA_R_16F, X, CUDA_R_16F, rows, cols, n, out, rows, accumulate) < 0) return -1;
         } else {
-            int64_t tile = QC_TILE_ELEMS / cols;
-            if (tile < 1) tile = 1;
+            /* tiles of a multiple of 128 rows: each tile's output starts at out + r0, and cuBLAS
+             * takes its fast (sm_90) kernels only for 16-byte aligned C; an odd r0 sent the
+             * 7B-sized GEMMs to a Turing-era kernel at a third of the speed (measured) */
+            int64_t tile = QC_TILE_ELEMS / cols / 128 * 128;
+            if (tile < 128) tile = 128;
             if (tile > rows) tile = rows;
             const size_t esize = half ? sizeof(__half) : sizeof(float);
             if (qc_cuda_scratch(be, &cu->scratch_w, &cu->scratch_w_bytes, (size_t)tile * (size_t)cols * esize) < 0)
