@@ -126,7 +126,7 @@ class BuildExt(build_ext):
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
         # PTX: the driver JIT-compiles it for GPUs without machine code here
         gencode += ["-gencode", f"arch=compute_{ptx},code=compute_{ptx}"]
-        headers = glob.glob("kernels/*.cuh") + glob.glob("csrc/*.h")
+        headers = glob.glob("kernels/*.cuh") + glob.glob("kernels/*.h") + glob.glob("csrc/engine/*.h")
         newest_header = max((os.path.getmtime(h) for h in headers), default=0)
 
         def one(src):
@@ -134,7 +134,7 @@ class BuildExt(build_ext):
             if (os.path.exists(obj) and os.path.getmtime(obj) > os.path.getmtime(src)
                     and os.path.getmtime(obj) > newest_header and not self.force):
                 return obj
-            cmd = [nvcc, "-c", src, "-o", obj, "-std=c++17", "-Icsrc", "-Ikernels",
+            cmd = [nvcc, "-c", src, "-o", obj, "-std=c++17", "-Icsrc/engine", "-Ikernels",
                    "-Xcompiler", "-fPIC,-Wall,-fvisibility=hidden", "--expt-relaxed-constexpr",
                    "-DQC_HAVE_CUDA=1"] + (["-O0", "-g", "-lineinfo"] if debug else ["-O3", "-lineinfo"]) + gencode
             print(" ".join(cmd))
@@ -148,15 +148,17 @@ class BuildExt(build_ext):
             return list(pool.map(one, sources))
 
 
-c_sources = sorted(glob.glob("csrc/*.c") + glob.glob("csrc/cpu/*.c"))
+# the layers of csrc/: the engine core (plain C), the CPU backend, the Python bindings
+C_DIRS = ["csrc/engine", "csrc/cpu", "csrc/python"]
+c_sources = sorted(f for d in C_DIRS for f in glob.glob(os.path.join(d, "*.c")))
 
 setup(
     ext_modules=[Extension(
         "qwencuda._core",
         sources=c_sources,
-        include_dirs=["csrc", numpy.get_include()],
+        include_dirs=C_DIRS + [numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("_GNU_SOURCE", "1")],
-        depends=glob.glob("csrc/*.h") + glob.glob("csrc/cpu/*.h"),
+        depends=[f for d in C_DIRS for f in glob.glob(os.path.join(d, "*.h"))],
     )],
     cmdclass={"build_ext": BuildExt},
 )

@@ -1,6 +1,6 @@
 /* bench_common.h: what the C benches share: a monotonic clock, a seeded xorshift generator
  * (define BENCH_RNG_SEED before including), and the fp16 scale fields of one block, located
- * through the block structs of csrc/quants.h, for weights of random codes and finite scales.
+ * through the block structs of csrc/engine/quants.h, for weights of random codes and finite scales.
  * Needs _POSIX_C_SOURCE >= 199309L for clock_gettime. */
 #ifndef QC_BENCH_COMMON_H
 #define QC_BENCH_COMMON_H

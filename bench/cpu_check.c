@@ -1,8 +1,8 @@
 /* cpu_check.c: C-level correctness checks of the CPU backend's ops against naive float64
  * references, then the decode/prefill matmul timings.
  *
- *   gcc -std=c11 -O3 -pthread -Icsrc -Icsrc/cpu bench/cpu_check.c csrc/quants.c csrc/common.c \
- *       csrc/backend.c csrc/sampler.c csrc/cpu/\*.c -lm -o /tmp/cpu_check && /tmp/cpu_check [threads]
+ *   gcc -std=c11 -O3 -pthread -Icsrc/engine -Icsrc/cpu bench/cpu_check.c csrc/engine/quants.c csrc/engine/common.c \
+ *       csrc/engine/backend.c csrc/engine/sampler.c csrc/cpu/\*.c -lm -o /tmp/cpu_check && /tmp/cpu_check [threads]
  *
  * Prints one line per check and exits 1 if any failed. Tolerances are stated per check as
  * |got - ref| <= atol + rtol * scale, with the scale named. The checks run the float32

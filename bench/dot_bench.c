@@ -1,6 +1,6 @@
 /* dot_bench.c: throughput of qc_dot_row (the CPU matmul's inner loop), one thread.
  *
- *   gcc -std=c11 -O3 -Icsrc bench/dot_bench.c csrc/quants.c csrc/common.c -lm -o /tmp/dot_bench
+ *   gcc -std=c11 -O3 -Icsrc/engine bench/dot_bench.c csrc/engine/quants.c csrc/engine/common.c -lm -o /tmp/dot_bench
  *   /tmp/dot_bench [MiB of weights, default 256] [repeats, default 5]
  *
  * For each type: a weight of the given size (rows of 4096 elements, random codes, finite

@@ -1,4 +1,4 @@
-/* sample.cu: one draw on the device, following csrc/sampler.c (qc_sample_row) step by step, so
+/* sample.cu: one draw on the device, following csrc/engine/sampler.c (qc_sample_row) step by step, so
  * that a decode step samples inside its CUDA graph and hands back 16 bytes instead of a row of
  * logits.
  *

@@ -7,7 +7,7 @@
     W = K.Weight.from_gguf(f, "blk.0.attn_q.weight")   # or straight from a GGUFFile
     out = K.matmul(W, x, bias=b, device="cuda")         # x (n, cols) -> (n, rows)
 
-Each function runs the very op that the forward pass runs (csrc/backend.h): the CPU engine's C
+Each function runs the very op that the forward pass runs (csrc/engine/backend.h): the CPU engine's C
 function for device="cpu", the CUDA kernel (kernels/*.cu) for "cuda" / "cuda:N". A backend is
 created once per device and cached (release() frees it); every call uploads its inputs,
 runs the op, downloads the outputs and frees its buffers, with the GIL released.
@@ -21,7 +21,7 @@ Numerics of the CUDA backend (tests/test_kernels.py states the tolerances):
     on tensor cores with f16 inputs (activations rounded to f16) and fp32 accumulation, except
     F32 weights (fp32 GEMM) and BF16 weights (decoded to f32, fp32 GEMM);
   - rope computes angles, sines and cosines in double, like qwencuda.reference;
-  - sample follows csrc/sampler.c's chain with the same float/double choices (masses and
+  - sample follows csrc/engine/sampler.c's chain with the same float/double choices (masses and
     running sums in double), selecting by radix threshold where the host sorts;
   - everything else is fp32.
 
@@ -187,7 +187,7 @@ def _i32(x, name, n=None):
 
 
 # --------------------------------------------------------------------------------------------
-# the ops of csrc/backend.h
+# the ops of csrc/engine/backend.h
 
 
 def embed(table, ids, device="cpu"):

@@ -4,7 +4,7 @@
     tr = m.forward(ids, capture="blk.*.attn_probs")    # a Trace
     s = m.session(); s.prefill(ids); s.step(token)
 
-A thin layer over qwencuda._core.Model / Session (csrc/py_model.c): it validates arguments,
+A thin layer over qwencuda._core.Model / Session (csrc/python/py_model.c): it validates arguments,
 checks capture patterns against the capture names, and wraps results in Traces.
 """
 import fnmatch

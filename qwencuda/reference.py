@@ -43,7 +43,7 @@ __all__ = ["RefConfig", "RefModel", "RefSession", "FaultySession", "FAULTS", "FI
 
 def capture_names(n_layer: int) -> list[str]:
     """Every capture name in forward order: the engine's names (the reference's math is its own;
-    the names it files its tensors under are the one list of csrc/session.c)."""
+    the names it files its tensors under are the one list of csrc/engine/session.c)."""
     from .trace import capture_names as engine_names
 
     return engine_names(n_layer)

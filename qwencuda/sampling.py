@@ -1,4 +1,4 @@
-"""Token sampling over a row of logits (csrc/sampler.c).
+"""Token sampling over a row of logits (csrc/engine/sampler.c).
 
     sp = qwencuda.Sampler(n_vocab, temperature=0.7, top_p=0.9, seed=1)
     token = sp.sample(logits_row); sp.accept(token)

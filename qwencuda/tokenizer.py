@@ -14,7 +14,7 @@ What happens to a text, in order:
      alone (normalize=None, llama.cpp);
   3. the Qwen2 pre-tokenizer regex splits it into words, and each word's UTF-8 bytes are merged by
      the file's BPE merges, lowest rank first.
-Steps 1 and 3 are C (csrc/tokenizer.c), which runs without the GIL.
+Steps 1 and 3 are C (csrc/engine/tokenizer.c), which runs without the GIL.
 
 Decoding gives the bytes of each token (byte-level tokens map back to their bytes, control and
 user-defined tokens give their text); `decode` makes text of them with errors="replace", and a
@@ -30,7 +30,7 @@ from . import _core
 
 __all__ = ["Tokenizer", "StreamDecoder", "pretokenize", "UNICODE_VERSION"]
 
-# The Unicode version of the pre-tokenizer's character classes (csrc/unicode_data.c).
+# The Unicode version of the pre-tokenizer's character classes (csrc/engine/unicode_data.c).
 UNICODE_VERSION: str = _core.tokenizer_unicode_version
 
 _NORMAL_FORMS = (None, "nfc")

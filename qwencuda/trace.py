@@ -20,7 +20,7 @@ _META = ("ids", "positions", "logits", "argmax", "logit_positions", "source", "k
 
 def capture_names(n_layer) -> list:
     """Every capture name of a model with n_layer layers, in forward order: the engine's own
-    list (csrc/session.c), read through _core."""
+    list (csrc/engine/session.c), read through _core."""
     n_layer = int(n_layer)
     if n_layer < 0:
         raise ValueError(f"n_layer must be >= 0, got {n_layer}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Generate csrc/unicode_data.c: the character classes that the Qwen2 pre-tokenizer needs.
+"""Generate csrc/engine/unicode_data.c: the character classes that the Qwen2 pre-tokenizer needs.
 
-The pre-tokenizer regex (csrc/tokenizer.c) asks three questions of a code point: is it a letter
+The pre-tokenizer regex (csrc/engine/tokenizer.c) asks three questions of a code point: is it a letter
 (\\p{L}: Lu Ll Lt Lm Lo), a number (\\p{N}: Nd Nl No), or white space (\\s)? HF `tokenizers`
 evaluates that regex with Oniguruma, whose Unicode \\s is the White_Space property: U+0009..U+000D,
 U+0085 and the Zs, Zl, Zp categories (not Python's str.isspace(), which adds U+001C..U+001F).
@@ -11,7 +11,7 @@ of a newer Unicode than the running Python's), else the standard `unicodedata`. 
 0.23's Oniguruma follows Unicode 16.0, so regenerate with unicodedata2 16.0 to match it exactly:
 
     pip install --target /tmp/ud2 unicodedata2==16.0.0
-    PYTHONPATH=/tmp/ud2 python scripts/gen_unicode_tables.py > csrc/unicode_data.c
+    PYTHONPATH=/tmp/ud2 python scripts/gen_unicode_tables.py > csrc/engine/unicode_data.c
 
 The output is one sorted array of run starts: entry k is (first code point << 8) | class, and
 a code point's class is that of the last entry whose first code point is <= it. Every code point
@@ -50,14 +50,14 @@ def main() -> None:
     spaces = {cp for cp, c in enumerate(classes) if c == SPACE}
     if spaces != WHITE_SPACE:
         raise SystemExit(f"White_Space derivation disagrees: {sorted(spaces ^ WHITE_SPACE)}")
-    # csrc/tokenizer.c matches the contractions (?i:'s|'t|'re|'ve|'m|'ll|'d) by hand, assuming
+    # csrc/engine/tokenizer.c matches the contractions (?i:'s|'t|'re|'ve|'m|'ll|'d) by hand, assuming
     # that U+017F LATIN SMALL LETTER LONG S (folds to 's') is the only non-ASCII character that
     # case-folds to one of those letters. Check it (str.casefold: simple + full case folding).
     folding = [cp for cp in range(0x80, 0x110000)
                if not 0xD800 <= cp < 0xE000 and chr(cp).casefold() in set("strvemld")]
     if folding != [0x17F]:
         raise SystemExit(f"contraction letters fold from {[hex(c) for c in folding]}: update "
-                         "contraction_end() in csrc/tokenizer.c")
+                         "contraction_end() in csrc/engine/tokenizer.c")
     runs = [0]
     for cp in range(1, 0x110000):
         if classes[cp] != classes[cp - 1]:

@@ -33,32 +33,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MUTANTS = {
     "rope_theta_x2": (
         "RoPE theta read from the file, then doubled",
-        [("csrc/model.c",
+        [("csrc/engine/model.c",
           "    if (!(cfg->rope_theta >= QC_MIN_ROPE_THETA",
           "    cfg->rope_theta *= 2.0f;\n    if (!(cfg->rope_theta >= QC_MIN_ROPE_THETA", 1)], {}),
     "rmsnorm_eps_1e-5": (
         "RMSNorm eps 1e-5 instead of the file's 1e-6",
-        [("csrc/model.c",
+        [("csrc/engine/model.c",
           "    if (!(cfg->norm_eps > 0.0f) || cfg->norm_eps > 1.0f)",
           "    cfg->norm_eps = 1e-5f;\n    if (!(cfg->norm_eps > 0.0f) || cfg->norm_eps > 1.0f)", 1)], {}),
     "top_p_one_more": (
         "top-p (the default path, no top-k) keeps one token past the one that reaches top_p",
-        [("csrc/sampler.c",
+        [("csrc/engine/sampler.c",
           "        if (kept > 0 && acc >= target) break;",
           "        if (kept > 0 && acc - exp((double)v[cand[kept - 1]] - vmax) >= target) break;", 1)], {}),
     "top_k_one_more": (
         "top-k keeps k + 1 tokens",
-        [("csrc/sampler.c",
+        [("csrc/engine/sampler.c",
           "        select_best(v, cand, n, st->top_k, wk.heap, cand);\n        n = st->top_k;",
           "        select_best(v, cand, n, st->top_k + 1, wk.heap, cand);\n        n = st->top_k + 1;", 1)], {}),
     "no_qkv_bias": (
         "the q/k/v biases are loaded but never added (NULL bias pointers)",
-        [("csrc/model.c",
+        [("csrc/engine/model.c",
           "            goto fail;\n    }\n    *out = m;",
           "            goto fail;\n        L->bq = L->bk = L->bv = NULL;\n    }\n    *out = m;", 1)], {}),
     "lm_head_is_embedding": (
         "the lm_head reads token_embd.weight although the file carries output.weight",
-        [("csrc/model.c",
+        [("csrc/engine/model.c",
           'load_matrix(m, "output.weight", &m->output, err)',
           'load_matrix(m, "token_embd.weight", &m->output, err)', 1)], {}),
     "gqa_wrong_map": (

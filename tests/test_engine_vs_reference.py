@@ -4,7 +4,7 @@ captured tensor, on every synthetic config and every weight type: the float32 re
 activations where the CPU has AVX2) at the tolerances of that quantization (below).
 
 Tolerances. Both engines read the same dequantized weights (the reference through the `gguf`
-package, the engine through csrc/quants.c: both exact up to float32 rounding of d * q) and compute
+package, the engine through csrc/engine/quants.c: both exact up to float32 rounding of d * q) and compute
 in float32; they differ only in summation order (the reference uses BLAS sgemm and float64 for
 norms, RoPE and attention; the engine float32 loops). One float32 dot product of length K has a
 relative error around sqrt(K) * 6e-8 ~ 1e-6; two layers, large q/k biases (scores of a few

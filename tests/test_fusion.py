@@ -1,4 +1,4 @@
-"""The fused ops in the forward pass (csrc/session.c): an eval without capture runs matmul_multi,
+"""The fused ops in the forward pass (csrc/engine/session.c): an eval without capture runs matmul_multi,
 rope_kv_store, matmul_add and matmul_swiglu; capture="*" asks for every intermediate, so it runs
 the unfused sequences (matmul x3, rope x2 + kv_store, matmul + add, matmul x2 + swiglu). Both
 must give the same logits, and a capture of any one name must give the same tensor whichever

@@ -1,4 +1,4 @@
-"""The GGUF reader (csrc/gguf.c, csrc/py_gguf.c, qwencuda/gguf.py).
+"""The GGUF reader (csrc/engine/gguf.c, csrc/python/py_gguf.c, qwencuda/gguf.py).
 
 Oracles from outside the project: files written by gguf.GGUFWriter, read back by
 gguf.GGUFReader, and decoded by gguf.quants.dequantize (the `gguf` package is llama.cpp's own
@@ -24,7 +24,7 @@ import ggufbytes as gb  # noqa: E402
 
 ALL_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-# Byte offsets of the fp16 scales in one block (block layouts in csrc/quants.h).
+# Byte offsets of the fp16 scales in one block (block layouts in csrc/engine/quants.h).
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
                "IQ2_XXS": [0]}

@@ -1,4 +1,4 @@
-"""Every backend op (csrc/backend.h) on the CPU and CUDA backends, through qwencuda.kernels,
+"""Every backend op (csrc/engine/backend.h) on the CPU and CUDA backends, through qwencuda.kernels,
 against NumPy float64 references (and the gguf package's dequantize for the block formats).
 
 Tolerances, and why:
@@ -34,7 +34,7 @@ LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 KQUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 ALL_TYPES = PLAIN + LEGACY + KQUANTS
 
-# byte offsets of the f16 scale fields of each block (csrc/quants.h), and whether a field is a
+# byte offsets of the f16 scale fields of each block (csrc/engine/quants.h), and whether a field is a
 # "min" (which may be any sign) or a scale
 _HALF_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
@@ -441,7 +441,7 @@ def test_argmax(device, cols):
 # --------------------------------------------------------------------------------------------
 # fused ops: against NumPy, and equal to the op sequences they replace
 #
-# Each fused op computes its sequence's float operations (csrc/backend.h): the tests demand the
+# Each fused op computes its sequence's float operations (csrc/engine/backend.h): the tests demand the
 # same bits as the unfused ops on the CPU and on the CUDA GEMV path (n <= 8 tokens), where both
 # run the same device functions, and for rope_kv_store everywhere. On the cuBLAS path (n > 8)
 # matmul_multi and matmul_swiglu make the very cuBLAS calls of matmul, but cuBLAS does not

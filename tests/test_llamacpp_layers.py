@@ -40,7 +40,7 @@ the audit slipped past the old tests, measured with the reference carrying them
 
 so each bug fails at least one capture on every prompt with a margin of 19x (eps, attn_norm) and
 2.3x to 28x (theta, k_rope / q_rope). The C CPU engine carrying them (scripts/mutation_test.py
-injects them into a copy of csrc/model.c) measures the same: eps 1e-5 gives attn_norm 1.9e-2,
+injects them into a copy of csrc/engine/model.c) measures the same: eps 1e-5 gives attn_norm 1.9e-2,
 2.2e-2, 3.2e-2 on the three prompts; theta x2 gives q_rope 9.1e-3, 1.3e-2, 4.2e-2 and k_rope
 3.5e-3, 4.7e-3, 1.6e-2 (and logits 3.67 on haiku-chat): every layer test fails, on every prompt.
 """

@@ -1,4 +1,4 @@
-"""Block formats (csrc/quants.c) against an independent oracle: the `gguf` package
+"""Block formats (csrc/engine/quants.c) against an independent oracle: the `gguf` package
 (llama.cpp's own Python reader), gguf.quants.dequantize / quantize and GGML_QUANT_SIZES.
 
 Dequantization must be bit-exact (compared as uint32 bit patterns). The row dot product

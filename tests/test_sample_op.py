@@ -1,5 +1,5 @@
 """Sampling on the backend: the sample op (qwencuda.kernels.sample, the op a Session runs when
-it draws on the device) against the host sampler (qwencuda.Sampler.sample, csrc/sampler.c), and
+it draws on the device) against the host sampler (qwencuda.Sampler.sample, csrc/engine/sampler.c), and
 Session.prefill/step with sampler= against the host sampler on the same logits.
 
 What is compared, and why it may be exact:

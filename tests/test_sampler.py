@@ -1,4 +1,4 @@
-"""The sampler (csrc/sampler.c through qwencuda.Sampler / qwencuda.sample): greedy, seeds,
+"""The sampler (csrc/engine/sampler.c through qwencuda.Sampler / qwencuda.sample): greedy, seeds,
 the drawn distribution (a chi-square test over many draws with fixed seeds), exact top-k / top-p /
 min-p masks on crafted logits, llama.cpp's order (top-p and min-p at temperature 1), the
 repetition penalty, non-finite logits and argument errors."""

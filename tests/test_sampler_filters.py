@@ -1,5 +1,5 @@
 """The exact set of tokens that top-k, top-p and min-p keep (issue 19 item 3), on the host sampler
-(csrc/sampler.c) and on the backend's sample op (qwencuda.kernels.sample: the host code on "cpu",
+(csrc/engine/sampler.c) and on the backend's sample op (qwencuda.kernels.sample: the host code on "cpu",
 kernels/sample.cu on "cuda"), against an independent NumPy implementation of each filter in
 llama.cpp's order (top-k -> top-p -> min-p on temperature-1 probabilities, then temperature).
 
@@ -11,7 +11,7 @@ one token too many or too few changes it (the audit's "top-p keeps one more" pas
 
 Rows: a small vocabulary and the full 151936 of Qwen2.5, each with a head of strong tokens with
 ties at the boundaries (tied values at scattered ids: ties go to the lower id, as documented in
-csrc/sampler.c and kernels/sample.cu) and a tail within reach of the candidate cut. Every case
+csrc/engine/sampler.c and kernels/sample.cu) and a tail within reach of the candidate cut. Every case
 checks first that its boundaries are unambiguous (no cumulative mass within 1e-7 of top_p, no
 logit within 1e-5 of the min-p floor), so float rounding cannot decide it.
 """

@@ -86,7 +86,7 @@ def _runtime(name):
 
 @pytest.fixture(scope="module")
 def sanitized_build(tmp_path_factory):
-    if not os.path.exists(os.path.join(ROOT, "setup.py")) or not glob.glob(os.path.join(ROOT, "csrc", "*.c")):
+    if not os.path.exists(os.path.join(ROOT, "setup.py")) or not glob.glob(os.path.join(ROOT, "csrc", "engine", "*.c")):
         pytest.skip("the C sources are not next to the tests (not a source checkout)")
     libasan = _runtime("libasan.so")
     if libasan is None or _runtime("libubsan.so") is None:

@@ -26,7 +26,7 @@
 #include "quants.h"
 #include "sampler.h"
 #ifdef QC_HAVE_CUDA
-#include "../kernels/qc_cuda_api.h"
+#include "../../kernels/qc_cuda_api.h"
 #endif
 
 /* ---------------------------------------------------------------------------------------- */

@@ -4,7 +4,7 @@
 #include "py_common.h"
 
 #include "backend.h"
-#include "cpu/cpu_simd.h"
+#include "../cpu/cpu_simd.h"
 
 PyObject *qc_GGUFError = NULL;
 PyObject *qc_ModelError = NULL;

@@ -1,6 +1,6 @@
 /* backend.c: choose a backend by device string. */
 #include "backend.h"
-#include "cpu/cpu_backend.h"
+#include "../cpu/cpu_backend.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -11,7 +11,7 @@
 
 #include "quants.h"
 #ifdef QC_HAVE_CUDA
-#include "../kernels/qc_cuda_api.h"
+#include "../../kernels/qc_cuda_api.h"
 #endif
 
 /* Metadata defaults, as llama.cpp applies them for qwen2 files that lack the key. */
