@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import qwencuda
-from qwencuda.compare import assert_matches
+from qwencuda.debug.compare import assert_matches
 
 
 # ---- the user's kernels ----------------------------------------------------------------------

@@ -224,12 +224,16 @@ def cmd_info(args):
     return EXIT_OK
 
 
+# subcommands whose module lives in a subpackage
+_COMMAND_MODULES = {"inspect": "debug.inspect", "compare": "debug.compare"}
+
+
 def _import_command(module_name):
     """The module behind a subcommand, or None (with a message) when it is missing."""
     import importlib
 
     try:
-        return importlib.import_module(f".{module_name}", __package__)
+        return importlib.import_module(f".{_COMMAND_MODULES.get(module_name, module_name)}", __package__)
     except ImportError as exc:
         _err(f"the {module_name} command is not available in this build ({exc})")
         return None

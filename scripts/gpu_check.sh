@@ -58,11 +58,12 @@ if has_step tests || has_step bench; then
     for wt in $bench_types; do
         f="$synth/qwen05b-$wt.gguf"
         [ -e "$f" ] && continue
-        # testing.py needs only numpy and gguf: load it as a plain file, since qwencuda itself is
-        # not installed yet while the build runs
-        "$PY" -c "import importlib.util as u, os
-spec = u.spec_from_file_location('qc_testing', '$top/qwencuda/testing.py'); t = u.module_from_spec(spec)
-spec.loader.exec_module(t)
+        # qwencuda/testing/ needs only numpy and gguf: load it as a package of its own, since
+        # qwencuda itself is not installed yet while the build runs
+        "$PY" -c "import importlib.util as u, os, sys
+spec = u.spec_from_file_location('qc_testing', '$top/qwencuda/testing/__init__.py',
+                                 submodule_search_locations=['$top/qwencuda/testing'])
+t = u.module_from_spec(spec); sys.modules['qc_testing'] = t; spec.loader.exec_module(t)
 t.write_model('$f.part', config='qwen2.5-0.5b', weight_type='$wt'); os.replace('$f.part', '$f')" \
             >"$logdir/synth-$wt.log" 2>&1 &
         synth_pids+=($!)

@@ -149,9 +149,10 @@ def test_chat_repl_eof_and_overflow(fake_model, capsys, monkeypatch):
 
 
 def _fake_module(monkeypatch, name, **attrs):
-    mod = types.ModuleType(f"qwencuda.{name}")
+    path = f"qwencuda.{cli._COMMAND_MODULES.get(name, name)}"
+    mod = types.ModuleType(path)
     mod.__dict__.update(attrs)
-    monkeypatch.setitem(sys.modules, f"qwencuda.{name}", mod)
+    monkeypatch.setitem(sys.modules, path, mod)
     monkeypatch.setattr(qc, name, mod, raising=False)
     return mod
 

@@ -7,7 +7,7 @@ import pytest
 
 import qwencuda
 from qwencuda import reference
-from qwencuda.compare import (CompareError, CompareReport, assert_matches, compare, compare_arrays,
+from qwencuda.debug.compare import (CompareError, CompareReport, assert_matches, compare, compare_arrays,
                               forward_order, main)
 from qwencuda.testing import write_model
 from qwencuda.trace import Trace
@@ -69,7 +69,7 @@ def test_two_engines_that_agree_match_everywhere(ref, good):
 
 
 def test_qwencuda_compare_is_callable_in_any_import_order(ref, good):
-    import qwencuda.compare  # noqa: F401  (rebinds the package attribute to the module)
+    import qwencuda.debug.compare  # noqa: F401  (qwencuda.compare is this module, callable)
 
     bad = reference.forward(ref, IDS, faults=("no_qkv_bias",))
     assert qwencuda.compare(bad, good).first_divergence == "blk.0.q"

@@ -9,7 +9,7 @@ import pytest
 
 import qwencuda
 from qwencuda import namemaps, reference
-from qwencuda.diagnose import EXPLANATIONS, FIXES, Diagnosis, diagnose, variant
+from qwencuda.debug.diagnose import EXPLANATIONS, FIXES, Diagnosis, diagnose, variant
 from qwencuda.testing import write_model
 
 IDS = [3, 17, 42, 99, 7, 250, 11, 64]
@@ -159,7 +159,7 @@ def test_real_model_faults(real_model_path):
 def test_real_model_bf16_dumps(real_model_path):
     """A bf16-rounded dump of one fault on Qwen2.5-Coder-0.5B: named at the default settings and
     localised by substitution (three variants tried, to keep the run short)."""
-    from qwencuda.diagnose import round_to
+    from qwencuda.debug.diagnose import round_to
 
     ref = reference._model(real_model_path)
     ids = [40, 1079, 264, 6514, 911]

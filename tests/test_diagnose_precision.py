@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from qwencuda import namemaps, reference
-from qwencuda.diagnose import detect_precision, diagnose, localise, round_to
+from qwencuda.debug.diagnose import detect_precision, diagnose, localise, round_to
 from qwencuda.patching import Scale
 from qwencuda.testing import write_model
 

@@ -656,7 +656,7 @@ def test_qwen25_05b_layout(tmp_path):
     plan = qt.plan_model("qwen2.5-0.5b", "q4_k_m")
     from collections import Counter
 
-    from qwencuda.inspect import describe
+    from qwencuda.debug.inspect import describe
 
     with qc.GGUFFile(path) as f:
         md = f.metadata

@@ -1,4 +1,4 @@
-"""`python -m qwencuda inspect FILE` (qwencuda/inspect.py): the report on a synthetic file whose
+"""`python -m qwencuda inspect FILE` (qwencuda/debug/inspect.py): the report on a synthetic file whose
 contents we choose, and on the real model, checked against the gguf package's reader."""
 import os
 import re
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 import qwencuda  # noqa: E402
-from qwencuda.inspect import describe, main  # noqa: E402
+from qwencuda.debug.inspect import describe, main  # noqa: E402
 
 TOKENS = ["a", "b", "ab", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool>", "[PAD0]", "[PAD1]"]
 TOKEN_TYPES = [1, 1, 1, 3, 3, 3, 4, 5, 5]
@@ -134,7 +134,7 @@ def _env():
 
 
 def test_python_dash_m(synthetic, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "qwencuda.inspect", synthetic], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "qwencuda.debug.inspect", synthetic], capture_output=True,
                        text=True, env=_env(), cwd=str(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "totals: 5 tensors" in r.stdout

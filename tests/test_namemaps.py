@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from qwencuda import namemaps, reference
-from qwencuda.compare import compare
+from qwencuda.debug.compare import compare
 from qwencuda.testing import write_model
 
 IDS = [5, 80, 13, 200, 31, 9]

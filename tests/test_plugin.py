@@ -96,8 +96,8 @@ def test_loading_the_plugin_imports_nothing_heavy():
     """The plugin loads in every pytest run of anyone who installs qwencuda: it must not pull in
     the reference engine, gguf, or the debugging modules, and must register without error."""
     code = ("import sys, qwencuda.pytest_plugin as p; "
-            "heavy = [m for m in ('gguf', 'qwencuda.reference', 'qwencuda.testing', 'qwencuda.compare', "
-            "'qwencuda.diagnose', 'qwencuda.lens', 'qwencuda.model') if m in sys.modules]; "
+            "heavy = [m for m in ('gguf', 'qwencuda.reference', 'qwencuda.testing', 'qwencuda.debug.compare', "
+            "'qwencuda.debug.diagnose', 'qwencuda.debug.lens', 'qwencuda.model') if m in sys.modules]; "
             "print(heavy); assert not heavy, heavy")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)

@@ -102,8 +102,9 @@ def sanitized_build(tmp_path_factory):
     pkg = out / "site" / "qwencuda"
     pkg.mkdir(parents=True)
     src = os.path.dirname(os.path.abspath(qc.__file__))
-    for f in glob.glob(os.path.join(src, "*.py")):
-        os.symlink(f, pkg / os.path.basename(f))
+    for f in glob.glob(os.path.join(src, "*.py")) + [d for d in glob.glob(os.path.join(src, "*"))
+                                                     if os.path.isfile(os.path.join(d, "__init__.py"))]:
+        os.symlink(f, pkg / os.path.basename(f))   # the modules and the subpackages
     (so,) = glob.glob(str(out / "lib" / "qwencuda" / "_core*.so"))
     shutil.copy(so, pkg / os.path.basename(so))
     return str(out / "site"), libasan

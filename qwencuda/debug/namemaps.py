@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .trace import LAYER_NAMES
+from ..trace import LAYER_NAMES
 
 __all__ = ["MAPS", "DERIVED", "HF_LAYER", "HF_LAYER_INPUTS", "LLAMACPP_LAYER", "Translated", "resolve",
            "translate", "to_hf", "to_llamacpp", "from_ggml", "mapping_table"]

@@ -4,7 +4,7 @@ Prints the architecture, its hyperparameters (the `<arch>.*` keys), the other me
 tokenizer summary (model, vocabulary size, merges, token types, special tokens), the tensor
 table (name, shape in NumPy order, type, size) and totals (count, bytes, count per type).
 
-    from qwencuda.inspect import describe
+    from qwencuda.debug.inspect import describe
     print(describe("model.gguf"))
 """
 import argparse
@@ -12,7 +12,7 @@ import math
 import sys
 from collections import Counter
 
-from .gguf import GGUFFile
+from ..gguf import GGUFFile
 
 __all__ = ["describe", "main"]
 
@@ -155,7 +155,7 @@ def main(argv=None):
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exc:
         return int(exc.code or 0)
-    from . import GGUFError
+    from .. import GGUFError
 
     try:
         text = describe(args.file)

@@ -3,7 +3,7 @@
     tr = qwencuda.reference.forward(ref, ids, faults=("no_qkv_bias",))   # the usual way in
     s = qwencuda.reference.FaultySession(ref, ("kv_pos_stuck",)); s.prefill(ids); s.step(t)
 
-The reference (qwencuda/reference.py) is the correct maths only; its session runs the forward
+The reference (qwencuda/reference/__init__.py) is the correct maths only; its session runs the forward
 pass as a sequence of named steps (positions, rmsnorm, rope, matrix, bias, kv_head, store,
 scores, softmax, mix, lm_head, logits) with the file's eps and theta as attributes. `Faults`
 below is a mixin that overrides those steps where a fault asks for it and otherwise defers

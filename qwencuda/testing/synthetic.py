@@ -14,7 +14,7 @@ qwencuda.testing.write_model draws float weights and quantizes them in Python: r
   calibrated per type (by dequantizing sample blocks with the gguf package) so that the dequantized
   weights have the std write_model uses: 0.02 for token_embd/output, 1/sqrt(in) for projections.
 - F16/BF16/F32 matrices: normal values of that std.
-- Norms and q/k/v biases: exactly write_model's values (testing._values: the large Qwen2.5-like
+- Norms and q/k/v biases: exactly write_model's values (writer._values: the large Qwen2.5-like
   biases included), F32.
 - Metadata and tokenizer: write_model's (testing.write_metadata), vocabulary padded to n_vocab.
 
@@ -38,7 +38,8 @@ import zlib
 
 import numpy as np
 
-from . import testing as _t
+from .configs import CONFIGS, WEIGHT_TYPES, _FILE_TYPE, resolve_config
+from .writer import _EMBED_STD, _FALLBACK, _block_size, _values, plan_model, write_metadata
 
 __all__ = ["SHAPES", "write_random_model", "plan_random_model", "resolve_shape", "model_bytes",
            "memory_needed"]
@@ -83,11 +84,11 @@ def resolve_shape(shape) -> dict:
     """A name of SHAPES ("7B"), a name of qwencuda.testing.CONFIGS ("tiny-hd64") or a config dict
     -> resolve_config's complete dict."""
     if isinstance(shape, str) and shape.upper() in SHAPES:
-        return _t.resolve_config(SHAPES[shape.upper()])
-    if isinstance(shape, str) and shape not in _t.CONFIGS:
+        return resolve_config(SHAPES[shape.upper()])
+    if isinstance(shape, str) and shape not in CONFIGS:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)} and the test configs "
-                         f"{', '.join(_t.CONFIGS)}")
-    return _t.resolve_config(shape)
+                         f"{', '.join(CONFIGS)}")
+    return resolve_config(shape)
 
 
 def _use_more_bits(i_layer: int, n_layer: int) -> bool:
@@ -96,8 +97,8 @@ def _use_more_bits(i_layer: int, n_layer: int) -> bool:
 
 
 def _fallback(t: str, row: int) -> str:
-    while row % _t._block_size(t):
-        t = _t._FALLBACK[t]
+    while row % _block_size(t):
+        t = _FALLBACK[t]
     return t
 
 
@@ -113,9 +114,9 @@ def plan_random_model(shape="7B", weight_type="q4_k_m", tied=None) -> list[tuple
     """The tensors write_random_model writes, in file order: (name, NumPy shape, GGML type)."""
     cfg = resolve_shape(shape)
     tied = cfg["tied"] if tied is None else bool(tied)
-    plan = _t.plan_model(cfg, "f32", tied)          # names and shapes, in llama.cpp's file order
-    if weight_type not in _t.WEIGHT_TYPES:
-        raise ValueError(f"unknown weight_type {weight_type!r}; known: {', '.join(_t.WEIGHT_TYPES)}")
+    plan = plan_model(cfg, "f32", tied)          # names and shapes, in llama.cpp's file order
+    if weight_type not in WEIGHT_TYPES:
+        raise ValueError(f"unknown weight_type {weight_type!r}; known: {', '.join(WEIGHT_TYPES)}")
     out = []
     for name, np_shape, _ in plan:
         if len(np_shape) == 1:
@@ -133,7 +134,7 @@ def _nbytes(np_shape, t: str) -> int:
     n = int(np.prod(np_shape))
     if t in _FLOATS:
         return n * np.dtype(_FLOATS[t]).itemsize
-    return n // _t._block_size(t) * _BLOCKS[t][0]
+    return n // _block_size(t) * _BLOCKS[t][0]
 
 
 def model_bytes(shape="7B", weight_type="q4_k_m", tied=None) -> int:
@@ -156,9 +157,9 @@ def memory_needed(shape="7B", weight_type="q4_k_m", n_ctx=32768, kv_type="f16", 
 # Generation
 
 def _std(name: str, row: int) -> float:
-    """write_model's std of a matrix (testing._values)."""
+    """write_model's std of a matrix (writer._values)."""
     base = name.rsplit(".", 1)[0]
-    return _t._EMBED_STD if base in ("token_embd", "output") else 1.0 / np.sqrt(row)
+    return _EMBED_STD if base in ("token_embd", "output") else 1.0 / np.sqrt(row)
 
 
 def _random_bytes(rng, n: int) -> np.ndarray:
@@ -221,7 +222,7 @@ def _tensor_chunks(name: str, np_shape: tuple, t: str, cfg: dict, seed: int, poo
     rng = np.random.Generator(np.random.PCG64([int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode())]))
     nbytes = _nbytes(np_shape, t)
     if len(np_shape) == 1:
-        yield _t._values(name, np_shape, cfg, seed).astype(np.float32)
+        yield _values(name, np_shape, cfg, seed).astype(np.float32)
         return
     std = _std(name, np_shape[-1])
     fresh = nbytes <= _FRESH_BYTES
@@ -270,7 +271,7 @@ def write_random_model(path, shape="7B", weight_type="q4_k_m", seed=0, tied=None
     path = os.fspath(path)
     label = shape if isinstance(shape, str) else "custom"
     w = gguf.GGUFWriter(path, "qwen2")
-    _t.write_metadata(w, cfg, f"qwencuda random {label} {weight_type}", _t._FILE_TYPE[weight_type],
+    write_metadata(w, cfg, f"qwencuda random {label} {weight_type}", _FILE_TYPE[weight_type],
                       seed=seed, vocab=vocab)
     for name, np_shape, t in plan:
         nbytes = _nbytes(np_shape, t)

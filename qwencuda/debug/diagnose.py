@@ -217,7 +217,7 @@ def variant(model, ids, fault=None):
     """The reference run of ids (from position 0, everything captured, logits of every row) with
     one fault of reference.FAULTS, or the correct run for fault None. Recent runs are kept, so
     diagnosing several dumps of one prompt runs each variant once."""
-    from . import reference
+    from .. import reference
 
     ref = _model(model)
     key = (id(ref), tuple(int(t) for t in np.asarray(ids).reshape(-1)), fault)
@@ -233,7 +233,7 @@ def variant(model, ids, fault=None):
 
 
 def _model(model, progress=None):
-    from . import reference
+    from .. import reference
 
     if isinstance(model, reference.RefModel):
         return model
@@ -331,7 +331,7 @@ def teacher_forced(model, ids, tensors, fault=None, upto=None, logits="all"):
     for every capture name but argmax; logits are the run's output (after substitution).
     upto: substitute only the names before this one in forward order (and it, when upto is a
     pair (name, True))."""
-    from . import reference
+    from .. import reference
 
     ref = _model(model)
     names = [n for n in ref.capture_names() if n != "argmax"]
@@ -413,8 +413,8 @@ def diagnose(dumps, model, ids=None, name_map=None, rtol=1e-3, atol=1e-4, faults
     progress: bars on stderr for loading the reference and for its runs of each fault (None:
     only when stderr is a terminal; False: never; see qwencuda.progress).
     """
-    from . import reference
-    from .progress import bar
+    from .. import reference
+    from ..progress import bar
 
     ref, ids, user = _inputs(dumps, model, ids, name_map, progress)
     faults = list(reference.FAULTS) if faults is None else list(faults)
@@ -650,8 +650,8 @@ def _localise(ref, ids, user, prec, correct, pm, rtol):
 
 
 class _CallableModule(_types.ModuleType):
-    """`qwencuda.diagnose` may be bound to this module or to the function depending on import
-    order (see compare.py): the module forwards calls to diagnose()."""
+    """`qwencuda.diagnose` is this module (qwencuda/__init__.py), and it forwards calls to
+    diagnose(): `qwencuda.diagnose(dumps, model, ids)` and `qwencuda.diagnose.localise` both work."""
 
     def __call__(self, *args, **kwargs):
         return diagnose(*args, **kwargs)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import namemaps
-from .trace import LAYER_NAMES
+from ..trace import LAYER_NAMES
 
 __all__ = ["compare", "CompareReport", "Row", "CompareError", "assert_matches", "load_tensors",
            "main", "forward_order"]
@@ -656,9 +656,8 @@ def main(argv=None) -> int:
 
 
 class _CallableModule(types.ModuleType):
-    """Importing the submodule qwencuda.compare rebinds the package attribute `qwencuda.compare`
-    from the function to this module (whichever import happens first wins), so the module
-    forwards calls: `qwencuda.compare(a, b)` works in every import order."""
+    """`qwencuda.compare` is this module (qwencuda/__init__.py), and it forwards calls:
+    `qwencuda.compare(a, b)` and `qwencuda.compare.CompareError` both work."""
 
     def __call__(self, *args, **kwargs):
         return compare(*args, **kwargs)

@@ -30,7 +30,7 @@ __all__ = ["logit_lens", "LensResult", "project", "choices", "argmax_report", "C
 
 def _ref(model):
     """A reference.RefModel from a path, a RefModel, a GGUFFile or a qwencuda.Model (.path)."""
-    from . import reference
+    from .. import reference
 
     if isinstance(model, reference.RefModel):
         return model

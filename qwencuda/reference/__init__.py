@@ -13,7 +13,7 @@ with weights (q/k/v/o, gate/up/down, lm_head) are float32 NumPy (BLAS sgemm). RM
 the RoPE angles, sines and cosines and their application, and the whole attention (scores,
 softmax, probs @ V) are computed in float64 and stored as float32. SiLU is float32.
 
-Faults (FAULTS, FIRST_AFFECTED, from qwencuda/faults.py): faults=("name", ...) runs the forward
+Faults (FAULTS, FIRST_AFFECTED, from qwencuda/reference/faults.py): faults=("name", ...) runs the forward
 pass on a FaultySession, whose steps reproduce known engine bugs, so that a dump from a broken
 engine can be matched against it (qwencuda.diagnose). This file holds only the correct maths.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .faults import FAULTS, FIRST_AFFECTED, Faults, check as _check_faults
-from .patching import as_hook
+from ..patching import as_hook
 
 __all__ = ["RefConfig", "RefModel", "RefSession", "FaultySession", "FAULTS", "FIRST_AFFECTED",
            "load", "forward", "forward_steps", "greedy", "capture_names", "clear_cache"]
@@ -44,7 +44,7 @@ __all__ = ["RefConfig", "RefModel", "RefSession", "FaultySession", "FAULTS", "FI
 def capture_names(n_layer: int) -> list[str]:
     """Every capture name in forward order: the engine's names (the reference's math is its own;
     the names it files its tensors under are the one list of csrc/engine/session.c)."""
-    from .trace import capture_names as engine_names
+    from ..trace import capture_names as engine_names
 
     return engine_names(n_layer)
 
@@ -115,7 +115,7 @@ def load(source, progress=None) -> RefModel:
     tensors on stderr (None: only when stderr is a terminal; see qwencuda.progress)."""
     import gguf
 
-    from .progress import bar
+    from ..progress import bar
 
     if isinstance(source, RefModel):
         return source
@@ -233,7 +233,7 @@ def _matmul(x, w):
 # Trace
 
 def _make_trace(tensors, logits, argmax, ids, positions, logit_positions):
-    from .trace import Trace
+    from ..trace import Trace
 
     return Trace(tensors=tensors, logits=logits, argmax=argmax, ids=ids, positions=positions,
                  logit_positions=logit_positions, source="reference")
@@ -263,7 +263,7 @@ class RefSession:
     Each call runs the tokens at positions position .. position + n - 1 and advances position.
 
     The forward pass is a sequence of steps (methods _positions .. _logits), each the plain
-    maths; FaultySession (qwencuda/faults.py) overrides some of them to reproduce engine bugs."""
+    maths; FaultySession (qwencuda/reference/faults.py) overrides some of them to reproduce engine bugs."""
 
     def __init__(self, model, max_context=None):
         self.model = _model(model)
@@ -422,7 +422,7 @@ class RefSession:
 
 class FaultySession(Faults, RefSession):
     """FaultySession(model, faults, max_context=None): a RefSession reproducing known engine bugs
-    (names of FAULTS; the steps they change are in qwencuda/faults.py)."""
+    (names of FAULTS; the steps they change are in qwencuda/reference/faults.py)."""
 
 
 def _session(model, faults=()):
