@@ -59,15 +59,31 @@ __device__ __forceinline__ float qc_h2f(uint16_t bits) { return __half2float(__u
 __device__ __forceinline__ float qc_bf2f(uint16_t bits) { return __uint_as_float((uint32_t)bits << 16); }
 
 /* Every block size and field offset is even, so 2-byte loads are always aligned; 4- and 8-byte
- * loads are not (a Q8_0 block is 34 bytes), hence 16-bit loads stitched together. */
+ * loads are not in general (a Q8_0 block is 34 bytes), hence 16-bit loads stitched together.
+ * A caller that knows more passes A, the alignment of p it guarantees (2, 4, 8 or more), and
+ * gets the widest loads A allows; the bytes are the same, only the instructions differ. */
 __device__ __forceinline__ uint16_t qc_ld16(const uint8_t *p) { return *(const uint16_t *)p; }
+template <int A = 2>
 __device__ __forceinline__ uint32_t qc_ld32(const uint8_t *p) {
-    const uint16_t *s = (const uint16_t *)p;
-    return (uint32_t)s[0] | (uint32_t)s[1] << 16;
+    if constexpr (A >= 4) {
+        return *(const uint32_t *)p;
+    } else {
+        const uint16_t *s = (const uint16_t *)p;
+        return (uint32_t)s[0] | (uint32_t)s[1] << 16;
+    }
 }
-/* Eight bytes at a 2-byte aligned address, as bytes. */
+/* Eight bytes at p (A-byte aligned), as bytes. */
+template <int A = 2>
 __device__ __forceinline__ void qc_ld8(const uint8_t *p, uint8_t q[8]) {
-    const uint32_t lo = qc_ld32(p), hi = qc_ld32(p + 4);
+    uint32_t lo, hi;
+    if constexpr (A >= 8) {
+        const uint2 v = *(const uint2 *)p;
+        lo = v.x;
+        hi = v.y;
+    } else {
+        lo = qc_ld32<A>(p);
+        hi = qc_ld32<A>(p + 4);
+    }
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         q[k] = (uint8_t)(lo >> (8 * k));
@@ -75,14 +91,31 @@ __device__ __forceinline__ void qc_ld8(const uint8_t *p, uint8_t q[8]) {
     }
 }
 
-/* ---- decoding of part p of a row: w[0..7] = elements 8p .. 8p+7 --------------------------
- * cols bounds only the plain types (whose rows need not be a multiple of 8); a block format's
- * row is always a whole number of blocks. Elements past cols decode as 0. */
+/* The alignment a caller may promise for every block of type T: the largest power of two (at
+ * most 16) dividing the block's size. It holds when the weight's buffer is 16-byte aligned (a
+ * cudaMalloc'd one is), since a block starts at buffer + (row * blocks_per_row + k) * BYTES. */
 template <int T>
-__device__ __forceinline__ void qc_deq8(const uint8_t *row, int64_t p, int64_t cols, float w[8]);
+__host__ __device__ constexpr int qc_blk_align() {
+    return qc_blk<T>::BYTES % 16 == 0 ? 16 : qc_blk<T>::BYTES % 8 == 0 ? 8
+         : qc_blk<T>::BYTES % 4 == 0 ? 4 : 2;
+}
+__host__ __device__ constexpr int qc_amin(int a, int b) { return a < b ? a : b; }
+/* The alignment of block + off + (a multiple of step) for an A-aligned block. */
+__host__ __device__ constexpr int qc_al(int A, size_t off, int step) {
+    return qc_amin(qc_amin(A, step), off == 0 ? 16 : (int)(off & (~off + 1)));
+}
 
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_F32>(const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
+/* ---- decoding of part p of a row: w[0..7] = elements 8p .. 8p+7 --------------------------
+ * qc_deq8<T, A>(row, p, cols, w), defined at the end of the file: A is the alignment the caller
+ * guarantees for the blocks of the row (2, the default, always holds; qc_blk_align<T>() for a
+ * 16-byte aligned buffer); it chooses loads only, never the arithmetic.
+ * cols bounds only the plain types (whose rows need not be a multiple of 8); a block format's
+ * row is always a whole number of blocks. Elements past cols decode as 0.
+ * One overload per type, chosen by a tag (a function template cannot be partially specialised). */
+template <int T> struct qc_type_tag {};
+
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_F32>, const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
     const float *r = (const float *)row + 8 * p;
     if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
         const float4 a = *(const float4 *)r, b = *(const float4 *)(r + 4);
@@ -93,8 +126,8 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_F32>(const uint8_t *row, int64_t
     }
 }
 
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_F16>(const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_F16>, const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
     const uint16_t *r = (const uint16_t *)row + 8 * p;
     if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
         const uint4 v = *(const uint4 *)r;
@@ -110,8 +143,8 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_F16>(const uint8_t *row, int64_t
     }
 }
 
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_BF16>(const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_BF16>, const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
     const uint16_t *r = (const uint16_t *)row + 8 * p;
     if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
         const uint4 v = *(const uint4 *)r;
@@ -128,41 +161,41 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_BF16>(const uint8_t *row, int64_
 }
 
 /* Q4_0: x = d * (q - 8); element j < 16 is the low nibble of qs[j], j + 16 the high one. */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q4_0>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q4_0>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q4_0);
     const int sub = (int)(p & 3);
     const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_0, d)));
     uint8_t q[8];
-    qc_ld8(b + offsetof(qc_block_q4_0, qs) + 8 * (sub & 1), q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q4_0, qs), 8)>(b + offsetof(qc_block_q4_0, qs) + 8 * (sub & 1), q);
     const int shift = (sub >> 1) * 4;
 #pragma unroll
     for (int k = 0; k < 8; k++) w[k] = __fmul_rn(d, (float)(((q[k] >> shift) & 15) - 8));
 }
 
 /* Q4_1: x = d * q + m */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q4_1>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q4_1>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q4_1);
     const int sub = (int)(p & 3);
     const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_1, d)));
     const float m = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_1, m)));
     uint8_t q[8];
-    qc_ld8(b + offsetof(qc_block_q4_1, qs) + 8 * (sub & 1), q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q4_1, qs), 8)>(b + offsetof(qc_block_q4_1, qs) + 8 * (sub & 1), q);
     const int shift = (sub >> 1) * 4;
 #pragma unroll
     for (int k = 0; k < 8; k++) w[k] = __fadd_rn(__fmul_rn(d, (float)((q[k] >> shift) & 15)), m);
 }
 
 /* Q5_0: x = d * (q - 16), bit 4 of element j is bit j of the little-endian qh. */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_0>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q5_0>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q5_0);
     const int sub = (int)(p & 3);
     const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_0, d)));
-    const uint32_t qh = qc_ld32(b + offsetof(qc_block_q5_0, qh));
+    const uint32_t qh = qc_ld32<qc_al(A, offsetof(qc_block_q5_0, qh), 16)>(b + offsetof(qc_block_q5_0, qh));
     uint8_t q[8];
-    qc_ld8(b + offsetof(qc_block_q5_0, qs) + 8 * (sub & 1), q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q5_0, qs), 8)>(b + offsetof(qc_block_q5_0, qs) + 8 * (sub & 1), q);
     const int shift = (sub >> 1) * 4;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
@@ -173,15 +206,15 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_0>(const uint8_t *row, int64_
 }
 
 /* Q5_1: x = d * q + m */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_1>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q5_1>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q5_1);
     const int sub = (int)(p & 3);
     const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_1, d)));
     const float m = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_1, m)));
-    const uint32_t qh = qc_ld32(b + offsetof(qc_block_q5_1, qh));
+    const uint32_t qh = qc_ld32<qc_al(A, offsetof(qc_block_q5_1, qh), 16)>(b + offsetof(qc_block_q5_1, qh));
     uint8_t q[8];
-    qc_ld8(b + offsetof(qc_block_q5_1, qs) + 8 * (sub & 1), q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q5_1, qs), 8)>(b + offsetof(qc_block_q5_1, qs) + 8 * (sub & 1), q);
     const int shift = (sub >> 1) * 4;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
@@ -192,13 +225,13 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_1>(const uint8_t *row, int64_
 }
 
 /* Q8_0: x = q * d */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q8_0>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q8_0>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 2) * sizeof(qc_block_q8_0);
     const int sub = (int)(p & 3);
     const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q8_0, d)));
     uint8_t q[8];
-    qc_ld8(b + offsetof(qc_block_q8_0, qs) + 8 * sub, q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q8_0, qs), 8)>(b + offsetof(qc_block_q8_0, qs) + 8 * sub, q);
 #pragma unroll
     for (int k = 0; k < 8; k++) w[k] = __fmul_rn((float)(int8_t)q[k], d);
 }
@@ -207,8 +240,8 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_Q8_0>(const uint8_t *row, int64_
  * takes bits 2t.. of byte 32 h + l of qs; a part is 8 consecutive l of one (h, t). */
 
 /* Q2_K: x = (d * (sc & 15)) * q - dmin * (sc >> 4) */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q2_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q2_K>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q2_K);
     const int e0 = 8 * (int)(p & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
     const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q2_K, d)));
@@ -216,14 +249,14 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_Q2_K>(const uint8_t *row, int64_
     const uint8_t sc = b[offsetof(qc_block_q2_K, scales) + (e0 >> 4)];
     const float dl = __fmul_rn(d, (float)(sc & 15)), ml = __fmul_rn(dmin, (float)(sc >> 4));
     uint8_t q[8];
-    qc_ld8(b + offsetof(qc_block_q2_K, qs) + 32 * h + l0, q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q2_K, qs), 8)>(b + offsetof(qc_block_q2_K, qs) + 32 * h + l0, q);
 #pragma unroll
     for (int k = 0; k < 8; k++) w[k] = __fsub_rn(__fmul_rn(dl, (float)((q[k] >> (2 * t)) & 3)), ml);
 }
 
 /* Q3_K: x = (d * sc) * q, q = low 2 bits - (hmask bit clear ? 4 : 0), sc a signed 6-bit scale. */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q3_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q3_K>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q3_K);
     const int e0 = 8 * (int)(p & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31, s = e0 >> 4;
     const uint8_t *S = b + offsetof(qc_block_q3_K, scales);
@@ -232,8 +265,8 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_Q3_K>(const uint8_t *row, int64_
     const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q3_K, d)));
     const float dl = __fmul_rn(d, (float)((lo4 | hi2 << 4) - 32));
     uint8_t q[8], hm[8];
-    qc_ld8(b + offsetof(qc_block_q3_K, qs) + 32 * h + l0, q);
-    qc_ld8(b + offsetof(qc_block_q3_K, hmask) + l0, hm);
+    qc_ld8<qc_al(A, offsetof(qc_block_q3_K, qs), 8)>(b + offsetof(qc_block_q3_K, qs) + 32 * h + l0, q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q3_K, hmask), 8)>(b + offsetof(qc_block_q3_K, hmask) + l0, hm);
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         const int lo = (q[k] >> (2 * t)) & 3;
@@ -255,8 +288,8 @@ __device__ __forceinline__ void qc_k_scale_min(const uint8_t *S, int s, int *sc,
 
 /* Q4_K: element 64 g + 32 hh + l is nibble hh of qs[32 g + l]; sub-block s = 2 g + hh;
  * x = (d * sc) * q - dmin * mn. */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q4_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q4_K>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q4_K);
     const int e0 = 8 * (int)(p & 31), s = e0 >> 5, l0 = e0 & 31;
     int sc, mn;
@@ -265,15 +298,15 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_Q4_K>(const uint8_t *row, int64_
     const float dmin = qc_h2f(qc_ld16(b + offsetof(qc_block_q4_K, dmin)));
     const float ds = __fmul_rn(d, (float)sc), dm = __fmul_rn(dmin, (float)mn);
     uint8_t q[8];
-    qc_ld8(b + offsetof(qc_block_q4_K, qs) + 32 * (s >> 1) + l0, q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q4_K, qs), 8)>(b + offsetof(qc_block_q4_K, qs) + 32 * (s >> 1) + l0, q);
     const int shift = (s & 1) * 4;
 #pragma unroll
     for (int k = 0; k < 8; k++) w[k] = __fsub_rn(__fmul_rn(ds, (float)((q[k] >> shift) & 15)), dm);
 }
 
 /* Q5_K: as Q4_K, and bit s of qh[l] is bit 4 of element 32 s + l. */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q5_K>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q5_K);
     const int e0 = 8 * (int)(p & 31), s = e0 >> 5, l0 = e0 & 31;
     int sc, mn;
@@ -282,8 +315,8 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_K>(const uint8_t *row, int64_
     const float dmin = qc_h2f(qc_ld16(b + offsetof(qc_block_q5_K, dmin)));
     const float ds = __fmul_rn(d, (float)sc), dm = __fmul_rn(dmin, (float)mn);
     uint8_t q[8], qh[8];
-    qc_ld8(b + offsetof(qc_block_q5_K, qs) + 32 * (s >> 1) + l0, q);
-    qc_ld8(b + offsetof(qc_block_q5_K, qh) + l0, qh);
+    qc_ld8<qc_al(A, offsetof(qc_block_q5_K, qs), 8)>(b + offsetof(qc_block_q5_K, qs) + 32 * (s >> 1) + l0, q);
+    qc_ld8<qc_al(A, offsetof(qc_block_q5_K, qh), 8)>(b + offsetof(qc_block_q5_K, qh) + l0, qh);
     const int shift = (s & 1) * 4;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
@@ -294,22 +327,27 @@ __device__ __forceinline__ void qc_deq8<QC_TYPE_Q5_K>(const uint8_t *row, int64_
 
 /* Q6_K: element 128 h + 32 t + l: low 4 bits = nibble (t / 2) of ql[64 h + 32 (t % 2) + l],
  * high 2 bits = bits 2t.. of qh[32 h + l]; x = (d * scales[e / 16]) * (q - 32). */
-template <>
-__device__ __forceinline__ void qc_deq8<QC_TYPE_Q6_K>(const uint8_t *row, int64_t p, int64_t, float w[8]) {
+template <int A>
+__device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_Q6_K>, const uint8_t *row, int64_t p, int64_t, float w[8]) {
     const uint8_t *b = row + (p >> 5) * sizeof(qc_block_q6_K);
     const int e0 = 8 * (int)(p & 31), h = e0 >> 7, t = (e0 >> 5) & 3, l0 = e0 & 31;
     const float d = qc_h2f(qc_ld16(b + offsetof(qc_block_q6_K, d)));
     const int8_t sc = (int8_t)b[offsetof(qc_block_q6_K, scales) + (e0 >> 4)];
     const float ds = __fmul_rn(d, (float)sc);
     uint8_t ql[8], qh[8];
-    qc_ld8(b + offsetof(qc_block_q6_K, ql) + 64 * h + 32 * (t & 1) + l0, ql);
-    qc_ld8(b + offsetof(qc_block_q6_K, qh) + 32 * h + l0, qh);
+    qc_ld8<qc_al(A, offsetof(qc_block_q6_K, ql), 8)>(b + offsetof(qc_block_q6_K, ql) + 64 * h + 32 * (t & 1) + l0, ql);
+    qc_ld8<qc_al(A, offsetof(qc_block_q6_K, qh), 8)>(b + offsetof(qc_block_q6_K, qh) + 32 * h + l0, qh);
     const int shift = (t >> 1) * 4;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         const int v = ((ql[k] >> shift) & 15) | ((qh[k] >> (2 * t)) & 3) << 4;
         w[k] = __fmul_rn(ds, (float)(v - 32));
     }
+}
+
+template <int T, int A = 2>
+__device__ __forceinline__ void qc_deq8(const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
+    qc_deq8<A>(qc_type_tag<T>(), row, p, cols, w);
 }
 
 /* Bytes of one stored row of `cols` elements of type T. */
