@@ -19,6 +19,7 @@ CASES = [
     # no model can be found: the quickstart falls back to a synthetic model and still runs
     ("01_quickstart.ipynb", "synthetic"),
     ("02_debugging.ipynb", "model"),
+    ("03_find_the_bug_by_patching.ipynb", "model"),
 ]
 
 
@@ -51,6 +52,12 @@ def test_notebook_runs(name, which, monkeypatch, tmp_path):
         line = next(ln for ln in printed.splitlines() if ln.startswith("stale winner above"))
         above = [float(v) for v in line.split("[", 1)[1].rstrip("]").split()]
         assert above and min(above) > 0, line
+    if name.startswith("03"):
+        # the hand bisection, localise and diagnose all find the missing q bias
+        printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                          for o in c.get("outputs", []))
+        assert "the bug is between blk.0.attn_norm and blk.0.q\n" in printed, printed
+        assert "blk.0.attn_norm -> blk.0.q\n" in printed and "fault: no_qkv_bias" in printed
     if which == "synthetic" and name.startswith("01"):
         printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                           for o in c.get("outputs", []))
