@@ -152,8 +152,10 @@ def _fake_module(monkeypatch, name, **attrs):
     path = f"qwencuda.{cli._COMMAND_MODULES.get(name, name)}"
     mod = types.ModuleType(path)
     mod.__dict__.update(attrs)
-    monkeypatch.setitem(sys.modules, path, mod)
+    # the attribute first: looking it up imports the real module (lazily), which must not be
+    # the fake, or the package would keep the fake after the test
     monkeypatch.setattr(qc, name, mod, raising=False)
+    monkeypatch.setitem(sys.modules, path, mod)
     return mod
 
 

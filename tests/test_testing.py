@@ -168,7 +168,7 @@ def test_every_weight_type_all_k_sizes(tmp_path, wt):
             assert tname == "F32"
         elif wt != "q4_k_m":
             assert tname == wt.upper()
-    ref = {n: qt._values(n, s, qt.resolve_config("tiny-hd64"), 0) for n, s, _ in plan}
+    ref = {n: qt.writer._values(n, s, qt.resolve_config("tiny-hd64"), 0) for n, s, _ in plan}
     for name, shape, tname in plan:
         y = _deq(t[name])
         assert y.shape == shape
