@@ -199,7 +199,7 @@ def cmd_bench(args):
     for depth in args.depth:
         for prompt in args.prompt_tokens:
             result = bench.run_bench(path, args.device, prompt, args.gen_tokens, args.repeats,
-                                     depth=depth, kv_type=args.kv_type)
+                                     threads=args.threads, depth=depth, kv_type=args.kv_type)
             print(bench.format_bench(result), flush=True)
     return EXIT_OK
 

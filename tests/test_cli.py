@@ -187,17 +187,21 @@ def test_bench_dispatch(monkeypatch, capsys, tmp_path):
                  format_bench=lambda d: f"BENCH {d}")
     assert cli.main(["bench", "--model", str(model), "--device", "cpu", "--prompt-tokens", "64",
                      "--gen-tokens", "8", "--repeats", "2"]) == 0
-    assert seen == [((str(model), "cpu", 64, 8, 2), {"depth": 0, "kv_type": None})]
+    assert seen == [((str(model), "cpu", 64, 8, 2), {"threads": None, "depth": 0, "kv_type": None})]
     assert "BENCH" in capsys.readouterr().out
     monkeypatch.setenv("QWENCUDA_MODEL", str(model))
     assert cli.main(["bench"]) == 0
-    assert seen[-1] == ((str(model), "auto", 512, 128, 5), {"depth": 0, "kv_type": None})
+    assert seen[-1] == ((str(model), "auto", 512, 128, 5), {"threads": None, "depth": 0, "kv_type": None})
     # several prompt lengths and depths: one measurement each, depth-major
     seen.clear()
     assert cli.main(["bench", "--model", str(model), "--prompt-tokens", "16", "32", "--depth", "0", "100",
                      "--kv-type", "f32"]) == 0
     assert [(a[2], kw["depth"], kw["kv_type"]) for a, kw in seen] == [
         (16, 0, "f32"), (32, 0, "f32"), (16, 100, "f32"), (32, 100, "f32")]
+    # --threads reaches the measurement (the CPU backend's worker count)
+    seen.clear()
+    assert cli.main(["bench", "--model", str(model), "--device", "cpu", "--threads", "1"]) == 0
+    assert seen[-1][1]["threads"] == 1
 
 
 def test_info(capsys, monkeypatch, no_model):
