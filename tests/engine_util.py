@@ -48,6 +48,21 @@ def max_abs(a, b) -> float:
     return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
+def norm_err(a, b) -> float:
+    """max |a - b| / max |b| over the finite values; inf unless shapes, NaN/inf positions and
+    non-finite values agree (attn_scores: -inf where masked)."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return np.inf
+    fin = np.isfinite(b)
+    if not np.array_equal(fin, np.isfinite(a)) or not np.array_equal(a[~fin], b[~fin]):
+        return np.inf
+    if not fin.any():
+        return 0.0
+    return float(np.max(np.abs(a[fin] - b[fin])) / max(np.max(np.abs(b[fin])), 1e-6))
+
+
 def finite_part(a):
     """attn_scores hold -inf where masked: compare the finite entries, check the mask apart."""
     return np.where(np.isfinite(a), a, 0.0)

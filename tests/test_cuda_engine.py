@@ -23,6 +23,8 @@ import pytest
 import qwencuda
 from qwencuda import testing
 
+from engine_util import norm_err
+
 FP32_TOL = 5e-4
 F16_TOL = 5e-2
 
@@ -46,19 +48,6 @@ def synth(synth_dir, config, weight_type):
         testing.write_model(path + ".part", config=config, weight_type=weight_type)
         os.replace(path + ".part", path)
     return path
-
-
-def norm_err(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    if a.shape != b.shape:
-        return np.inf
-    fin = np.isfinite(b)
-    if not np.array_equal(fin, np.isfinite(a)) or not np.array_equal(a[~fin], b[~fin]):
-        return np.inf
-    if not fin.any():
-        return 0.0
-    return float(np.max(np.abs(a[fin] - b[fin])) / max(np.max(np.abs(b[fin])), 1e-6))
 
 
 def compare_traces(got, ref, tol, what):

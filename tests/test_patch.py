@@ -15,24 +15,12 @@ import numpy as np
 import pytest
 
 import qwencuda as qc
-from engine_util import model_file
+from engine_util import model_file, norm_err
 
 TOL = 1e-3
 FP32_TOL = 5e-4
 F16_TOL = 5e-2
 IDS = [3, 141, 59, 265, 358, 97, 93]
-
-
-def norm_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if a.shape != b.shape:
-        return np.inf
-    fin = np.isfinite(b)
-    if not np.array_equal(fin, np.isfinite(a)) or not np.array_equal(a[~fin], b[~fin]):
-        return np.inf
-    if not fin.any():
-        return 0.0
-    return float(np.max(np.abs(a[fin] - b[fin])) / max(np.max(np.abs(b[fin])), 1e-6))
 
 
 def check(got, want, tol, what):
