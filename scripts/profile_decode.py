@@ -8,6 +8,9 @@
     python scripts/profile_decode.py report ncu.csv
         the last decode step (the kernels after the second-to-last argmax): time per kernel
         name, count, share, and the step's total.
+    python scripts/profile_decode.py torch MODEL [PROMPT_TOKENS] [STEPS]
+        the same run and report in one process, timed by torch.profiler (CUPTI) where Nsight
+        Compute is not installed; needs torch with CUDA.
 """
 import csv
 import os
@@ -27,7 +30,8 @@ def run(model, prompt_tokens=512, steps=3):
             token = int(s.step(token).argmax[-1])
 
 
-def report(path):
+def ncu_launches(path):
+    """(kernel name, ns) of every launch in an Nsight Compute CSV, in launch order."""
     launches = []
     with open(path, newline="") as f:
         lines = [ln for ln in f if ln.startswith('"')]      # ncu prints other lines first
@@ -36,6 +40,22 @@ def report(path):
             continue
         scale = {"ns": 1.0, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6}.get(row["Metric Unit"], 1.0)
         launches.append((row["Kernel Name"], float(row["Metric Value"].replace(",", "")) * scale))
+    return launches
+
+
+def torch_launches(model, prompt_tokens=512, steps=3):
+    """(kernel name, ns) of every launch of run(), in launch order, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(model, prompt_tokens, steps)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
+               and "memset" not in e.name.lower()]
+    kernels.sort(key=lambda e: e.time_range.start)
+    return [(e.name, (e.time_range.end - e.time_range.start) * 1e3) for e in kernels]
+
+
+def report(launches):
     ends = [i for i, (name, _) in enumerate(launches) if "argmax" in name]
     if len(ends) < 2:
         raise SystemExit("need at least two evals (argmax launches) in the profile")
@@ -55,7 +75,9 @@ def report(path):
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "run":
         run(sys.argv[2], *(int(a) for a in sys.argv[3:5]))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "torch":
+        report(torch_launches(sys.argv[2], *(int(a) for a in sys.argv[3:5])))
     elif len(sys.argv) == 3 and sys.argv[1] == "report":
-        report(sys.argv[2])
+        report(ncu_launches(sys.argv[2]))
     else:
         raise SystemExit(__doc__)
