@@ -4,7 +4,8 @@
 #   2. write the 0.5B-shaped synthetic models (F16, Q8_0, Q4_K_M) in the background meanwhile;
 #   3. the whole test suite, GPU tests included (QWENCUDA_MODEL: the real model, when present);
 #   4. `python -m qwencuda bench` (prompt 512, decode 128) on the synthetic files and the real one,
-#      and scripts/kernel_bench.py (matmul per weight type at 0.5B shapes: us and GB/s);
+#      and scripts/kernel_bench.py (matmul per weight type at 0.5B shapes, and decode at 7B shapes:
+#      us and GB/s);
 #   5. compute-sanitizer memcheck of short CUDA generations (prefill on both matmul paths, decode
 #      steps; with every capture (the unfused ops) and without (the fused ops, replayed decode));
 #   6. a report bench/results/<date>-<commit>-<device>.md.
@@ -155,6 +156,10 @@ if has_step bench && [ "$build_status" != FAILED ]; then
     fi
     (cd /tmp && timeout 120 "$PY" "$top/scripts/kernel_bench.py" --device cuda) >>"$logdir/bench.log" 2>&1 \
         || echo "kernel_bench failed" >>"$logdir/bench.log"
+    # the decode GEMVs at 7B shapes (issue 16: bytes/s per op against the ~3.35 TB/s bound)
+    (cd /tmp && timeout 180 "$PY" "$top/scripts/kernel_bench.py" --device cuda --shapes 7B --tokens 1 \
+        --types F16,Q8_0,Q4_K,Q6_K,Q5_0 --iters 50) >>"$logdir/bench.log" 2>&1 \
+        || echo "kernel_bench (7B shapes) failed" >>"$logdir/bench.log"
     # the draw on the device vs on the host, on the real file (else the Q4_K_M-shaped one)
     sf=${QWENCUDA_MODEL:-}; [ -n "$sf" ] && [ -e "$sf" ] || sf="$synth/qwen05b-q4_k_m.gguf"
     [ -e "$sf" ] && (cd /tmp && timeout 240 "$PY" "$top/scripts/sampling_bench.py" "$sf" cuda \
