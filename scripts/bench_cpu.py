@@ -1,0 +1,101 @@
+"""qwencuda beside llama.cpp on the CPU, rounds interleaved, for the CPU report in bench/results.
+
+    python scripts/bench_cpu.py --llama-bench PATH [--model FILE] [--threads 2]
+        [--work 128/32 512/128] [--rounds 5] [--repeats 3] [--json OUT.json] [--commit C]
+
+Each round runs, back to back and for each work P/N: `llama-bench -m FILE -t T -p P -n N -r R`
+and `qwencuda.bench.run_bench(FILE, "cpu", P, N, R, threads=T)` (in this process, a fresh Model
+per round), and notes the load average before it, since a shared machine's other work shows in
+every figure. Interleaving puts both engines under the same conditions; the medians over the
+rounds and each round's ratio are printed as a markdown table.
+
+What is compared: prefill of P tokens, and N decode steps. llama-bench's tg runs from an empty
+cache; qwencuda's decode follows its prefill, so it attends to P more keys (the harder work).
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+
+def llama_run(llama_bench, model, threads, p, n, repeats):
+    """(prefill tok/s, decode tok/s) from llama-bench's table: the mean of its repeats."""
+    env = dict(os.environ)
+    libdir = os.path.dirname(os.path.realpath(llama_bench))
+    env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    out = subprocess.run([llama_bench, "-m", model, "-t", str(threads), "-p", str(p), "-n", str(n),
+                          "-r", str(repeats)], capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-500:]}")
+    got = {}
+    for line in out.stdout.splitlines():
+        m = re.search(r"\|\s*(pp|tg)(\d+)\s*\|\s*([\d.]+)\s*±", line)
+        if m:
+            got[m.group(1)] = float(m.group(3))
+    if "pp" not in got or "tg" not in got:
+        raise RuntimeError("llama-bench printed no pp/tg rows:\n" + out.stdout[-1000:])
+    return got["pp"], got["tg"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-bench", required=True, metavar="PATH")
+    ap.add_argument("--model", default=None, help="default: qwencuda.default_model_path()")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--work", nargs="+", default=["128/32", "512/128"], metavar="P/N")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None, metavar="OUT")
+    ap.add_argument("--commit", default=None, help="the commit to name when the source tree is not a git checkout")
+    args = ap.parse_args(argv)
+
+    import qwencuda
+    from qwencuda.bench import run_bench
+
+    model = args.model or qwencuda.default_model_path()
+    work = [tuple(int(v) for v in w.split("/")) for w in args.work]
+    rows = []
+    for rnd in range(args.rounds):
+        for p, n in work:
+            load = os.getloadavg()[0]
+            lp, ln = llama_run(args.llama_bench, model, args.threads, p, n, args.repeats)
+            r = run_bench(model, "cpu", prompt_tokens=p, gen_tokens=n, repeats=args.repeats, threads=args.threads)
+            row = {"round": rnd + 1, "p": p, "n": n, "load": load, "time": time.strftime("%H:%M:%S"),
+                   "llama_prefill": lp, "llama_decode": ln,
+                   "qc_prefill": r["prefill_tok_s"], "qc_decode": r["decode_tok_s"],
+                   "commit": r["commit"] or args.commit, "cpu_kernels": r["cpu_kernels"], "cpu": r["machine"]["cpu"]}
+            rows.append(row)
+            print(f"round {rnd + 1} {p}/{n} (load {load:.2f}): llama.cpp {lp:.1f} / {ln:.1f}, "
+                  f"qwencuda {row['qc_prefill']:.1f} / {row['qc_decode']:.1f} tok/s", file=sys.stderr, flush=True)
+
+    first = rows[0]
+    print(f"# qwencuda vs llama.cpp on the CPU: {first['cpu']}, {args.threads} threads")
+    print(f"\nmodel {os.path.basename(model)}; qwencuda {first['commit']} ({first['cpu_kernels']}); "
+          f"llama-bench {args.llama_bench}; {args.rounds} rounds; per round, qwencuda's median and "
+          f"llama-bench's mean of {args.repeats} repeats; the table: medians over the rounds\n")
+    print("| work | llama.cpp prefill | qwencuda prefill | ratio (per round) | llama.cpp decode | qwencuda decode | ratio (per round) |")
+    print("|---|---|---|---|---|---|---|")
+    for p, n in work:
+        mine = [r for r in rows if r["p"] == p and r["n"] == n]
+        med = lambda k: statistics.median(r[k] for r in mine)
+        rp = " ".join(f"{r['qc_prefill'] / r['llama_prefill']:.2f}" for r in mine)
+        rd = " ".join(f"{r['qc_decode'] / r['llama_decode']:.2f}" for r in mine)
+        print(f"| {p}/{n} | {med('llama_prefill'):.1f} | {med('qc_prefill'):.1f} | {rp} | "
+              f"{med('llama_decode'):.1f} | {med('qc_decode'):.1f} | {rd} |")
+    print("\nrounds (load average before each):")
+    for r in rows:
+        print(f"- {r['time']} round {r['round']} {r['p']}/{r['n']} load {r['load']:.2f}: llama.cpp "
+              f"{r['llama_prefill']:.1f} / {r['llama_decode']:.1f}, qwencuda {r['qc_prefill']:.1f} / "
+              f"{r['qc_decode']:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
