@@ -142,6 +142,7 @@ int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err) {
 
 int qc_cpu_backend_create_kernels(int threads, int float_reference, qc_backend **out, qc_error *err) {
     *out = NULL;
+    if (!float_reference && qc_simd_error()) return qc_fail(err, QC_ERR_VALUE, "cpu: %s", qc_simd_error());
     qc_backend *be = calloc(1, sizeof *be);
     qc_cpu_state *st = calloc(1, sizeof *st);
     if (!be || !st) goto nomem;

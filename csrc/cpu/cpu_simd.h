@@ -5,15 +5,25 @@
  * llama.cpp does on a CPU:
  *  - activations are quantized per block of 32 to 8 bits (qc_q8_block: x ~ d * q, q in
  *    -127..127, round to nearest even, d = max|x| / 127), once per matmul;
- *  - every weight block is multiplied with them in integers (AVX2: vpmaddubsw + vpmaddwd) and
- *    scaled to float once per block of 32 (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K);
+ *  - every weight block is multiplied with them in integers (AVX2: vpmaddubsw + vpmaddwd;
+ *    where the CPU has VNNI, vpdpbusd: simd_vnni.c) and scaled to float once per block of 32
+ *    (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K);
  *  - F32 and F16 weights keep float activations (FMA over 8 lanes; F16 through F16C);
  *  - every other type falls back to the reference's qc_dot_row.
- * The kernels are compiled with per-function target attributes (simd_avx2.c), so the module is
- * still built for baseline x86-64 and runs anywhere; qc_simd_get() picks them once, from
- * cpuid, and returns NULL where the CPU lacks them (or on other architectures): the backend
- * then runs the reference ops. -DQC_NO_SIMD builds without them (what other architectures
- * get: the portable path).
+ * The kernels are compiled with per-function target attributes (simd_avx2.c, simd_vnni.c), so
+ * the module is still built for baseline x86-64 and runs anywhere; qc_simd_get() picks a set
+ * once, from cpuid (or QWENCUDA_CPU_KERNELS, below), and returns NULL where the CPU lacks AVX2
+ * (or on other architectures): the backend then runs the reference ops. -DQC_NO_SIMD builds
+ * without them (what other architectures get: the portable path).
+ *
+ * The sets, best first: "avx512vnni" (vpdpbusd in its EVEX form on ymm registers: AVX512-VNNI
+ * and AVX512VL, with the OS saving the AVX-512 state), "avxvnni" (its VEX form, AVX-VNNI), then
+ * "avx2". The VNNI sets replace only the q8 dot kernels, and give the AVX2 set's results bit
+ * for bit: their integer sums per 32-bit lane are the same exact integers, and everything in
+ * float is the same sequence of operations (simd_vnni.c). QWENCUDA_CPU_KERNELS, read once,
+ * forces one: auto (or unset: the best), avx2, vnni (the best VNNI set), avxvnni, avx512vnni,
+ * or float / portable (the reference ops); a value this CPU cannot run, or an unknown one, is
+ * an error of every CPU backend created (qc_simd_error).
  *
  * Numerics of the 8-bit path: quantizing x costs a relative error of at most 1/254 of a
  * block's largest |x| per element (typically ~1e-3 of a dot product's scale), the products
@@ -80,17 +90,32 @@ typedef struct {
     qc_attn_values_fn attn_values;
 } qc_simd_kernels;
 
-/* The fast kernels this CPU runs, or NULL (no AVX2 + FMA + F16C, or not x86-64): detected once
- * (thread-safe). */
+/* The fast kernels this CPU runs, or NULL (no AVX2 + FMA + F16C, not x86-64, or
+ * QWENCUDA_CPU_KERNELS=float / portable / a value in error): detected once (thread-safe). */
 const qc_simd_kernels *qc_simd_get(void);
 
+/* Why QWENCUDA_CPU_KERNELS cannot be honoured (an unknown value, or a set this CPU lacks), or
+ * NULL: the CPU backend fails to be created with this message (a ValueError in Python). */
+const char *qc_simd_error(void);
+
 /* "avx2+fma+f16c, q8 dot products (Q4_0 Q5_0 Q8_0 Q4_K Q6_K), f16/f32 fma" or "portable C
- * (float32 reference)": what the default CPU backend runs on this machine. */
+ * (float32 reference)": what the default CPU backend runs on this machine, with
+ * "; QWENCUDA_CPU_KERNELS=<value>" when that chose it, or "error: <qc_simd_error()>". */
 const char *qc_simd_describe(void);
 
 /* The x86-64 kernels (simd_avx2.c); NULL where the compiler cannot build them. Call only where
  * the CPU has AVX2, FMA and F16C, and once (it fills their fp16 table): qc_simd_get does. */
 const qc_simd_kernels *qc_simd_avx2_kernels(void);
+
+/* The VNNI sets (simd_vnni.c): avx2's set (made first: it fills the fp16 table) with its q8
+ * dot kernels replaced by vpdpbusd ones, in its EVEX form (avx512 != 0; call only where the CPU
+ * has AVX512-VNNI and AVX512VL and the OS saves the AVX-512 state) or its VEX form (AVX-VNNI).
+ * NULL where the compiler cannot build them. Called once, by qc_simd_get. */
+const qc_simd_kernels *qc_simd_vnni_kernels(const qc_simd_kernels *avx2, int avx512);
+
+/* Every fp16 value as float, filled by qc_simd_avx2_kernels (simd_avx2.c); the q8 kernels
+ * read a block's scale from it. */
+extern const float *const qc_simd_f16_table;
 
 /* Portable C quantization, the specification of the SIMD one (bit-identical). */
 void qc_q8_quantize_ref(const float *x, int64_t n, qc_q8_block *out);

@@ -51,6 +51,7 @@ QC_AVX2_INLINE float hsum_ps(__m256 v) {
  * spends its time unpacking, so this is ~10% (one Zen 3 core, best of 3: Q8_0 12.5 -> 14.0,
  * Q5_0 8.8 -> 9.6 GB/s). The values are those of vcvtph2ps: the results do not change. */
 static float f16_table[65536];
+const float *const qc_simd_f16_table = f16_table;   /* shared with simd_vnni.c */
 
 QC_AVX2_INLINE __m256 half_bcast(const uint8_t *p) {
     qc_half h;
