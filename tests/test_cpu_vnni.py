@@ -382,7 +382,7 @@ def test_emulated_vnni_equals_avx2(tmp_path, sanitized):
     src = tmp_path / "harness.c"
     src.write_text(HARNESS)
     exe = str(tmp_path / "harness")
-    cmd = [cc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-missing-field-initializers",
+    cmd = [cc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
            "-I", os.path.join(ROOT, "csrc", "cpu"), "-I", os.path.join(ROOT, "csrc", "engine"),
            str(src), os.path.join(ROOT, "csrc", "cpu", "simd_avx2.c"), "-o", exe, "-lm"]
     if sanitized:
