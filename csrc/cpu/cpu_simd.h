@@ -113,10 +113,6 @@ const qc_simd_kernels *qc_simd_avx2_kernels(void);
  * NULL where the compiler cannot build them. Called once, by qc_simd_get. */
 const qc_simd_kernels *qc_simd_vnni_kernels(const qc_simd_kernels *avx2, int avx512);
 
-/* Every fp16 value as float, filled by qc_simd_avx2_kernels (simd_avx2.c); the q8 kernels
- * read a block's scale from it. */
-extern const float *const qc_simd_f16_table;
-
 /* Portable C quantization, the specification of the SIMD one (bit-identical). */
 void qc_q8_quantize_ref(const float *x, int64_t n, qc_q8_block *out);
 

@@ -17,8 +17,8 @@
  * unsigned by signed, and an offset (w + 128) would change the integers of each lane.
  *
  * The kernels are written once (simd_vnni_kernels.h) and compiled for each encoding; the
- * helpers below are simd_avx2.c's (the same layouts, unpacked the same way), compiled for
- * AVX2 and inlined into both.
+ * unpacking helpers are simd_x86.h's, the AVX2 set's own (the same layouts, unpacked the same
+ * way), inlined into both.
  */
 #include "cpu_simd.h"
 
@@ -31,76 +31,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(QC_NO_SIMD)
 #include <immintrin.h>
 
-#define QC_BASE_INLINE static inline __attribute__((target("avx2,fma,f16c"), always_inline))
-#if defined(__clang__)
-#define QC_TOKENS _Pragma("unroll")
-#else
-#define QC_TOKENS _Pragma("GCC unroll 8")
-#endif
-
-QC_BASE_INLINE float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* a block's field through a byte pointer: blocks may sit at odd addresses (GGUF alignment 1) */
-#define FIELD(block, type, field) ((const uint8_t *)(block) + offsetof(type, field))
-
-QC_BASE_INLINE __m256 half_bcast(const uint8_t *p) {
-    qc_half h;
-    memcpy(&h, p, sizeof h);
-    return _mm256_broadcast_ss(&qc_simd_f16_table[h]);
-}
-
-QC_BASE_INLINE float half_at(const uint8_t *p) {
-    qc_half h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
-}
-
-/* 16 bytes of packed nibbles to 32 bytes 0..15: low nibbles (elements 0..15) then high ones */
-QC_BASE_INLINE __m256i nibbles32(const uint8_t *qs) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-}
-
-/* bit i of the little-endian word at p to byte i: 0xff where set, 0 where clear */
-QC_BASE_INLINE __m256i bits32(const uint8_t *p) {
-    uint32_t w;
-    memcpy(&w, p, sizeof w);
-    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w), idx);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-}
-
-QC_BASE_INLINE __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-
-#define QC_PREFETCH_AHEAD 4096
-QC_BASE_INLINE void prefetch_ahead(const uint8_t *block, int bytes) {
-    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)block + QC_PREFETCH_AHEAD + i, _MM_HINT_T0);
-}
-
-/* dw * dx in every lane */
-QC_BASE_INLINE __m256 scale(__m256 dw, const qc_q8_block *xb) {
-    return _mm256_mul_ps(dw, _mm256_broadcast_ss(&xb->d));
-}
-
-/* gguf's get_scale_min_k4 */
-QC_BASE_INLINE void q4_K_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        m[j] = s[j + 4] & 63;
-    }
-    for (int j = 4; j < 8; j++) {
-        sc[j] = (uint8_t)((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
-        m[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
-}
+#include "simd_x86.h"
 
 /* the VEX form: AVX-VNNI */
 #define QC_VNNI_TARGET "avx2,fma,f16c,avxvnni"

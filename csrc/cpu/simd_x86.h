@@ -1,0 +1,111 @@
+/* simd_x86.h: the helpers that both x86 kernel sets (simd_avx2.c and simd_vnni.c) inline: block
+ * fields through byte pointers, fp16 scales by table, nibble and bit unpacking into 32 bytes,
+ * prefetching, and the horizontal sum. Included only inside those files' x86-64 sections, after
+ * <immintrin.h>, quants.h and cpu_simd.h; every function is compiled for AVX2 + FMA + F16C and
+ * inlined into kernels whose own targets include those. */
+#ifndef QC_SIMD_X86_H
+#define QC_SIMD_X86_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QC_X86_INLINE static inline __attribute__((target("avx2,fma,f16c"), always_inline))
+
+/* The loops over a call's tokens (nt <= 8, a constant in each specialisation) unrolled early,
+ * so that gcc keeps the accumulators acc[t] in registers: left to its later complete unrolling
+ * it also stored every accumulator to the stack at every block (one Zen 3 core, best of 6:
+ * Q5_0 prefill 21.9 -> 23.7, Q8_0 27.9 -> 31.9 GMAC/s). */
+#if defined(__clang__)
+#define QC_TOKENS _Pragma("unroll")
+#else
+#define QC_TOKENS _Pragma("GCC unroll 8")
+#endif
+
+QC_X86_INLINE float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Blocks are read through byte pointers (field offsets from quants.h's structs), never as
+ * structs: GGUF allows alignments of 1 and 2, so a block may sit at an odd address. */
+#define FIELD(block, type, field) ((const uint8_t *)(block) + offsetof(type, field))
+
+/* Every fp16 value as float (vcvtph2ps of each, filled by qc_simd_avx2_kernels): the scale of
+ * a 32-element block is then two loads (the half, its float broadcast) and no vector
+ * instruction, instead of an insert, a conversion and a shuffle. A decode of Q5_0 / Q8_0 rows
+ * spends its time unpacking, so this is ~10% (one Zen 3 core, best of 3: Q8_0 12.5 -> 14.0,
+ * Q5_0 8.8 -> 9.6 GB/s). The values are those of vcvtph2ps: the results do not change.
+ * simd_avx2.c defines it. */
+extern float qc_simd_f16_table[65536];
+
+QC_X86_INLINE __m256 half_bcast(const uint8_t *p) {
+    qc_half h;
+    memcpy(&h, p, sizeof h);
+    return _mm256_broadcast_ss(&qc_simd_f16_table[h]);
+}
+
+QC_X86_INLINE float half_at(const uint8_t *p) {
+    qc_half h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* eight int32 sums of pairs of pairs of u[i] * s[i], u unsigned, s signed */
+QC_X86_INLINE __m256i dot_us(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* 16 bytes of packed nibbles to 32 bytes 0..15: low nibbles (elements 0..15) then high ones */
+QC_X86_INLINE __m256i nibbles32(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+/* Bit i of the 32-bit little-endian word at p to byte i: 0xff where set, 0 where clear.
+ * Byte i takes byte i / 8 of the word (vpshufb works in 128-bit lanes, and the word is
+ * broadcast to every lane) and keeps bit i % 8. */
+QC_X86_INLINE __m256i bits32(const uint8_t *p) {
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)w), idx);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+QC_X86_INLINE __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* A decode (one token) streams each weight row once from DRAM: asking for the bytes 4 KiB ahead
+ * of the block in hand keeps more lines in flight than the hardware prefetcher alone (on one
+ * Zen 3 core, lm_head-sized Q8_0: best of 4 runs 11.1 -> 14.1 GB/s; Q5_0 8.1 -> 8.8 GB/s, as
+ * quants.c measured for the reference). Prefill reuses rows from L2 and does not need it.
+ * Prefetching past the end of the weights is harmless (it never faults). */
+#define QC_PREFETCH_AHEAD 4096
+QC_X86_INLINE void prefetch_ahead(const uint8_t *block, int bytes) {
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char *)block + QC_PREFETCH_AHEAD + i, _MM_HINT_T0);
+}
+
+/* dw * dx in every lane: dw is broadcast once per weight block and shared by the tokens, dx
+ * broadcast straight from memory (a load, no shuffle), one vmulps per (block, token) */
+QC_X86_INLINE __m256 scale(__m256 dw, const qc_q8_block *xb) {
+    return _mm256_mul_ps(dw, _mm256_broadcast_ss(&xb->d));
+}
+
+/* Q4_K's 6-bit scales and mins of the eight sub-blocks (gguf's get_scale_min_k4). */
+QC_X86_INLINE void q4_K_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        m[j] = s[j + 4] & 63;
+    }
+    for (int j = 4; j < 8; j++) {
+        sc[j] = (uint8_t)((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
+        m[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+#endif /* QC_SIMD_X86_H */
