@@ -2,15 +2,18 @@
 
     python scripts/bench_cpu.py --llama-bench PATH [--model FILE] [--threads 2]
         [--work 128/32 512/128] [--rounds 5] [--repeats 3] [--json OUT.json] [--commit C]
+        [--llama-depth0]
 
-Each round runs, back to back and for each work P/N: `llama-bench -m FILE -t T -p P -n N -r R`
-and `qwencuda.bench.run_bench(FILE, "cpu", P, N, R, threads=T)` (in this process, a fresh Model
+Each round runs, back to back and for each work P/N: llama-bench (-t T -r R, see below) and
+`qwencuda.bench.run_bench(FILE, "cpu", P, N, R, threads=T)` (in this process, a fresh Model
 per round), and notes the load average before it, since a shared machine's other work shows in
 every figure. Interleaving puts both engines under the same conditions; the medians over the
 rounds and each round's ratio are printed as a markdown table.
 
-What is compared: prefill of P tokens, and N decode steps. llama-bench's tg runs from an empty
-cache; qwencuda's decode follows its prefill, so it attends to P more keys (the harder work).
+What is compared: prefill of P tokens, and N decode steps after them. qwencuda's decode follows
+its prefill, so llama.cpp's is run after P tokens too (`-p 0 -n N -d P`, a second llama-bench
+call); --llama-depth0 compares with llama-bench's plain tg N from an empty cache instead (the
+easier work for llama.cpp).
 """
 import argparse
 import json
@@ -22,23 +25,35 @@ import sys
 import time
 
 
-def llama_run(llama_bench, model, threads, p, n, repeats):
-    """(prefill tok/s, decode tok/s) from llama-bench's table: the mean of its repeats."""
+def llama_bench_rows(llama_bench, args):
+    """{"pp": tok/s, "tg": tok/s} from llama-bench's table (the mean of its repeats)."""
     env = dict(os.environ)
     libdir = os.path.dirname(os.path.realpath(llama_bench))
     env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
-    out = subprocess.run([llama_bench, "-m", model, "-t", str(threads), "-p", str(p), "-n", str(n),
-                          "-r", str(repeats)], capture_output=True, text=True, env=env, timeout=1800)
+    out = subprocess.run([llama_bench] + args, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-500:]}")
     got = {}
     for line in out.stdout.splitlines():
-        m = re.search(r"\|\s*(pp|tg)(\d+)\s*\|\s*([\d.]+)\s*±", line)
+        m = re.search(r"\|\s*(pp|tg)(\d+)(?: @ d\d+)?\s*\|\s*([\d.]+)\s*±", line)
         if m:
             got[m.group(1)] = float(m.group(3))
-    if "pp" not in got or "tg" not in got:
-        raise RuntimeError("llama-bench printed no pp/tg rows:\n" + out.stdout[-1000:])
-    return got["pp"], got["tg"]
+    return got
+
+
+def llama_run(llama_bench, model, threads, p, n, repeats, same_depth):
+    """(prefill tok/s, decode tok/s): pp P and tg N, the decode after P tokens (-d P) where
+    same_depth (qwencuda's decode follows its prefill), else from an empty cache."""
+    common = ["-m", model, "-t", str(threads), "-r", str(repeats)]
+    if same_depth:
+        pp = llama_bench_rows(llama_bench, common + ["-p", str(p), "-n", "0"]).get("pp")
+        tg = llama_bench_rows(llama_bench, common + ["-p", "0", "-n", str(n), "-d", str(p)]).get("tg")
+    else:
+        got = llama_bench_rows(llama_bench, common + ["-p", str(p), "-n", str(n)])
+        pp, tg = got.get("pp"), got.get("tg")
+    if pp is None or tg is None:
+        raise RuntimeError("llama-bench printed no pp/tg rows")
+    return pp, tg
 
 
 def main(argv=None):
@@ -50,6 +65,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None, metavar="OUT")
+    ap.add_argument("--llama-depth0", action="store_true",
+                    help="llama-bench's plain tg N (from an empty cache) instead of tg N after P tokens (-d P)")
     ap.add_argument("--commit", default=None, help="the commit to name when the source tree is not a git checkout")
     args = ap.parse_args(argv)
 
@@ -62,7 +79,7 @@ def main(argv=None):
     for rnd in range(args.rounds):
         for p, n in work:
             load = os.getloadavg()[0]
-            lp, ln = llama_run(args.llama_bench, model, args.threads, p, n, args.repeats)
+            lp, ln = llama_run(args.llama_bench, model, args.threads, p, n, args.repeats, not args.llama_depth0)
             r = run_bench(model, "cpu", prompt_tokens=p, gen_tokens=n, repeats=args.repeats, threads=args.threads)
             row = {"round": rnd + 1, "p": p, "n": n, "load": load, "time": time.strftime("%H:%M:%S"),
                    "llama_prefill": lp, "llama_decode": ln,
@@ -76,7 +93,8 @@ def main(argv=None):
     print(f"# qwencuda vs llama.cpp on the CPU: {first['cpu']}, {args.threads} threads")
     print(f"\nmodel {os.path.basename(model)}; qwencuda {first['commit']} ({first['cpu_kernels']}); "
           f"llama-bench {args.llama_bench}; {args.rounds} rounds; per round, qwencuda's median and "
-          f"llama-bench's mean of {args.repeats} repeats; the table: medians over the rounds\n")
+          f"llama-bench's mean of {args.repeats} repeats; the table: medians over the rounds; llama.cpp's "
+          f"decode {'from an empty cache' if args.llama_depth0 else 'after the P prompt tokens (-d P), as qwencuda'}\n")
     print("| work | llama.cpp prefill | qwencuda prefill | ratio (per round) | llama.cpp decode | qwencuda decode | ratio (per round) |")
     print("|---|---|---|---|---|---|---|")
     for p, n in work:
