@@ -69,124 +69,10 @@ QC_AVX2 static void quantize_avx2(const float *x, int64_t n, qc_q8_block *out) {
  * specialisation, so that the accumulators stay in registers). For every token the sequence
  * of operations is the same whatever n_tok is. */
 
-#define QC_DISPATCH(kernel)                                                                   \
-    QC_AVX2 static void kernel##_dot(const void *row, const qc_q8_block *x, int64_t xs,      \
-                                     int n_tok, int64_t nb, float *out) {                     \
-        switch (n_tok) {                                                                      \
-        case 1: kernel##_rows(row, x, xs, 1, nb, out); break;                                 \
-        case 2: kernel##_rows(row, x, xs, 2, nb, out); break;                                 \
-        case 3: kernel##_rows(row, x, xs, 3, nb, out); break;                                 \
-        case 4: kernel##_rows(row, x, xs, 4, nb, out); break;                                 \
-        case 5: kernel##_rows(row, x, xs, 5, nb, out); break;                                 \
-        case 6: kernel##_rows(row, x, xs, 6, nb, out); break;                                 \
-        case 7: kernel##_rows(row, x, xs, 7, nb, out); break;                                 \
-        default: kernel##_rows(row, x, xs, 8, nb, out); break;                                \
-        }                                                                                     \
-    }
-
-/* Q8_0: x = d * q */
-QC_AVX2_INLINE void q8_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
-                              int64_t nb, float *out) {
-    __m256 acc[QC_Q8_MAX_TOKENS];
-    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q8_0);
-        if (nt == 1) prefetch_ahead(wb, 1);
-        const __m256 dw = half_bcast(FIELD(wb, qc_block_q8_0, d));
-        const __m256i q = load32(FIELD(wb, qc_block_q8_0, qs));
-        const __m256i uq = _mm256_sign_epi8(q, q);
-        QC_TOKENS for (int t = 0; t < nt; t++) {
-            const qc_q8_block *xb = x + t * xs + b;
-            const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
-        }
-    }
-    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
-}
-QC_DISPATCH(q8_0)
-
-/* Q4_0: x = d * (q - 8), q 0..15 */
-QC_AVX2_INLINE void q4_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
-                              int64_t nb, float *out) {
-    __m256 acc[QC_Q8_MAX_TOKENS];
-    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q4_0);
-        if (nt == 1) prefetch_ahead(wb, 1);
-        const __m256 dw = half_bcast(FIELD(wb, qc_block_q4_0, d));
-        const __m256i q = _mm256_sub_epi8(nibbles32(FIELD(wb, qc_block_q4_0, qs)), _mm256_set1_epi8(8));
-        const __m256i uq = _mm256_sign_epi8(q, q);
-        QC_TOKENS for (int t = 0; t < nt; t++) {
-            const qc_q8_block *xb = x + t * xs + b;
-            const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
-        }
-    }
-    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
-}
-QC_DISPATCH(q4_0)
-
-/* Q5_0: x = d * (q - 16), q = nibble | bit << 4. q - 16 is the nibble with 0xf0 or-ed in
- * where the bit is clear (two's complement of nibble - 16) and the nibble itself where set. */
-QC_AVX2_INLINE void q5_0_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
-                              int64_t nb, float *out) {
-    __m256 acc[QC_Q8_MAX_TOKENS];
-    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q5_0);
-        if (nt == 1) prefetch_ahead(wb, 1);
-        const __m256 dw = half_bcast(FIELD(wb, qc_block_q5_0, d));
-        const __m256i hi = _mm256_andnot_si256(bits32(FIELD(wb, qc_block_q5_0, qh)), _mm256_set1_epi8((char)0xf0));
-        const __m256i q = _mm256_or_si256(nibbles32(FIELD(wb, qc_block_q5_0, qs)), hi);
-        const __m256i uq = _mm256_sign_epi8(q, q);
-        QC_TOKENS for (int t = 0; t < nt; t++) {
-            const qc_q8_block *xb = x + t * xs + b;
-            const __m256i p = dot_us(uq, _mm256_sign_epi8(load32(xb->qs), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
-        }
-    }
-    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
-}
-QC_DISPATCH(q5_0)
-
-/* Q4_K: super-blocks of 256 = 8 sub-blocks of 32 (one activation block each) with 6-bit
- * scales sc and mins m: x = d * sc * q - dmin * m, q 0..15. Byte l of the j-th 32 bytes of qs
- * holds element 64j + l in its low nibble and 64j + 32 + l in its high one. The dot with one
- * activation block is d*sc * dx * sum(q * qx) - dmin*m * s (s = dx * sum(qx)). */
-QC_AVX2_INLINE void q4_K_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
-                              int64_t nb, float *out) {
-    __m256 acc[QC_Q8_MAX_TOKENS];
-    float mins[QC_Q8_MAX_TOKENS];
-    QC_TOKENS for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        mins[t] = 0.0f;
-    }
-    for (int64_t sb = 0; sb < nb / 8; sb++) {
-        const uint8_t *wb = (const uint8_t *)row + sb * (int64_t)sizeof(qc_block_q4_K);
-        if (nt == 1) prefetch_ahead(wb, (int)sizeof(qc_block_q4_K));
-        const float d = half_at(FIELD(wb, qc_block_q4_K, d)), dmin = half_at(FIELD(wb, qc_block_q4_K, dmin));
-        uint8_t sc[8], m[8];
-        q4_K_scales(FIELD(wb, qc_block_q4_K, scales), sc, m);
-        for (int j = 0; j < 4; j++) {
-            const __m256i raw = load32(FIELD(wb, qc_block_q4_K, qs) + 32 * j);
-            const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0f));
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
-            const __m256 dlo = _mm256_set1_ps(d * (float)sc[2 * j]), dhi = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
-            const float mlo = dmin * (float)m[2 * j], mhi = dmin * (float)m[2 * j + 1];
-            QC_TOKENS for (int t = 0; t < nt; t++) {
-                const qc_q8_block *xb = x + t * xs + sb * 8 + 2 * j;
-                const __m256i plo = dot_us(lo, load32(xb[0].qs));
-                const __m256i phi = dot_us(hi, load32(xb[1].qs));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), scale(dlo, &xb[0]), acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), scale(dhi, &xb[1]), acc[t]);
-                mins[t] = fmaf(mlo, xb[0].s, mins[t]);
-                mins[t] = fmaf(mhi, xb[1].s, mins[t]);
-            }
-        }
-    }
-    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]) - mins[t];
-}
-QC_DISPATCH(q4_K)
+#define QC_Q8_TARGET "avx2,fma,f16c"
+#define QC_Q8_DOT(u, s) dot_us(u, s)
+#define QC_Q8(name) name
+#include "simd_q8_kernels.h"
 
 /* Q6_K: super-blocks of 256 = 16 sub-blocks of 16 with int8 scales: x = d * sc * (q - 32),
  * q = 4 low bits from ql and 2 high bits from qh, 0..63. In each half of 128 elements, byte l
@@ -194,9 +80,9 @@ QC_DISPATCH(q4_K)
  * 32 + l and 96 + l, and qh[l] their high bits in bit pairs 0, 2, 4, 6 for elements l,
  * 32 + l, 64 + l, 96 + l. Each group of 32 is one activation block whose two halves of 16
  * have their own scale: vpmaddwd by (sc_a x8, sc_b x8) applies both. */
-QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+QC_Q8_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs, int nt,
                               int64_t nb, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    const __m256i off = _mm256_set1_epi8(32);
     __m256 acc[QC_Q8_MAX_TOKENS];
     QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb / 8; sb++) {
@@ -206,17 +92,8 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
         const int8_t *scales = (const int8_t *)FIELD(wb, qc_block_q6_K, scales);
         const __m256 d = _mm256_set1_ps(half_at(FIELD(wb, qc_block_q6_K, d)));
         for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = load32(ql + 64 * h), ql1 = load32(ql + 64 * h + 32);
-            const __m256i qh = load32(qhp + 32 * h);
             __m256i g[4];
-            g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-            g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
-            g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
-            g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+            q6_K_groups(ql + 64 * h, qhp + 32 * h, g);
             for (int k = 0; k < 4; k++) {
                 const __m256i q = _mm256_sub_epi8(g[k], off);
                 const __m256i uq = _mm256_sign_epi8(q, q);
@@ -233,7 +110,13 @@ QC_AVX2_INLINE void q6_K_rows(const void *row, const qc_q8_block *x, int64_t xs,
     }
     QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
 }
-QC_DISPATCH(q6_K)
+QC_Q8_DISPATCH(q6_K)
+#undef QC_Q8_TARGET
+#undef QC_Q8_DOT
+#undef QC_Q8
+#undef QC_Q8_FN
+#undef QC_Q8_INLINE
+#undef QC_Q8_DISPATCH
 
 /* ---------------------------------------------------------------------------------------- */
 /* float rows by float activations                                                           */

@@ -108,4 +108,19 @@ QC_X86_INLINE void q4_K_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
     }
 }
 
+/* Q6_K's 6-bit quants of one half of a super-block (128 elements: ql, its 64 bytes; qh, its 32)
+ * as four groups of 32 bytes 0..63: g[k] holds elements 32 k + l, l < 32 (the layout is
+ * described at simd_avx2.c's q6_K_rows). */
+QC_X86_INLINE void q6_K_groups(const uint8_t *ql, const uint8_t *qh, __m256i g[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
+    const __m256i ql0 = load32(ql), ql1 = load32(ql + 32), h = load32(qh);
+    g[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+    g[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+    g[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
+    g[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+}
+
 #endif /* QC_SIMD_X86_H */

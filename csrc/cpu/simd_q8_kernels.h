@@ -1,0 +1,138 @@
+/* simd_q8_kernels.h: the q8 dot kernels of Q8_0, Q4_0, Q5_0 and Q4_K, written once for every
+ * integer dot instruction (not a header of its own: an x86 kernel file includes it once per
+ * instruction set, inside its x86-64 section, after simd_x86.h). The includer defines:
+ *   QC_Q8_TARGET     the functions' target attribute string;
+ *   QC_Q8_DOT(u, s)  eight int32 lanes, each the sum of four products of unsigned bytes u by
+ *                    signed bytes s (AVX2: vpmaddubsw + vpmaddwd by ones; VNNI: vpdpbusd);
+ *   QC_Q8(name)      this copy's name of a function (q8_0_dot -> q8_0_dot_avxvnni, ...);
+ * and may use QC_Q8_INLINE and QC_Q8_DISPATCH (below) for kernels of its own (Q6_K), undefining
+ * them with its own macros when done.
+ * Every instruction set computes the same integer in each lane, and everything after it is this
+ * one float sequence, so the sets' results are the same bits (tests/test_cpu_vnni.py).
+ *
+ * Weight rows by 8-bit activations: one row, n_tok tokens (a compile-time constant in each
+ * specialisation, so that the accumulators stay in registers). For every token the sequence
+ * of operations is the same whatever n_tok is. */
+
+#define QC_Q8_FN static __attribute__((target(QC_Q8_TARGET)))
+#define QC_Q8_INLINE static inline __attribute__((target(QC_Q8_TARGET), always_inline))
+
+#define QC_Q8_DISPATCH(kernel)                                                                  \
+    QC_Q8_FN void QC_Q8(kernel##_dot)(const void *row, const qc_q8_block *x, int64_t xs,       \
+                                      int n_tok, int64_t nb, float *out) {                      \
+        switch (n_tok) {                                                                        \
+        case 1: QC_Q8(kernel##_rows)(row, x, xs, 1, nb, out); break;                            \
+        case 2: QC_Q8(kernel##_rows)(row, x, xs, 2, nb, out); break;                            \
+        case 3: QC_Q8(kernel##_rows)(row, x, xs, 3, nb, out); break;                            \
+        case 4: QC_Q8(kernel##_rows)(row, x, xs, 4, nb, out); break;                            \
+        case 5: QC_Q8(kernel##_rows)(row, x, xs, 5, nb, out); break;                            \
+        case 6: QC_Q8(kernel##_rows)(row, x, xs, 6, nb, out); break;                            \
+        case 7: QC_Q8(kernel##_rows)(row, x, xs, 7, nb, out); break;                            \
+        default: QC_Q8(kernel##_rows)(row, x, xs, 8, nb, out); break;                           \
+        }                                                                                       \
+    }
+
+/* Q8_0: x = d * q */
+QC_Q8_INLINE void QC_Q8(q8_0_rows)(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q8_0);
+        if (nt == 1) prefetch_ahead(wb, 1);
+        const __m256 dw = half_bcast(FIELD(wb, qc_block_q8_0, d));
+        const __m256i q = load32(FIELD(wb, qc_block_q8_0, qs));
+        const __m256i uq = _mm256_sign_epi8(q, q);
+        QC_TOKENS for (int t = 0; t < nt; t++) {
+            const qc_q8_block *xb = x + t * xs + b;
+            const __m256i p = QC_Q8_DOT(uq, _mm256_sign_epi8(load32(xb->qs), q));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
+        }
+    }
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+}
+QC_Q8_DISPATCH(q8_0)
+
+/* Q4_0: x = d * (q - 8), q 0..15 */
+QC_Q8_INLINE void QC_Q8(q4_0_rows)(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q4_0);
+        if (nt == 1) prefetch_ahead(wb, 1);
+        const __m256 dw = half_bcast(FIELD(wb, qc_block_q4_0, d));
+        const __m256i q = _mm256_sub_epi8(nibbles32(FIELD(wb, qc_block_q4_0, qs)), _mm256_set1_epi8(8));
+        const __m256i uq = _mm256_sign_epi8(q, q);
+        QC_TOKENS for (int t = 0; t < nt; t++) {
+            const qc_q8_block *xb = x + t * xs + b;
+            const __m256i p = QC_Q8_DOT(uq, _mm256_sign_epi8(load32(xb->qs), q));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
+        }
+    }
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+}
+QC_Q8_DISPATCH(q4_0)
+
+/* Q5_0: x = d * (q - 16), q = nibble | bit << 4. q - 16 is the nibble with 0xf0 or-ed in
+ * where the bit is clear (two's complement of nibble - 16) and the nibble itself where set. */
+QC_Q8_INLINE void QC_Q8(q5_0_rows)(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q5_0);
+        if (nt == 1) prefetch_ahead(wb, 1);
+        const __m256 dw = half_bcast(FIELD(wb, qc_block_q5_0, d));
+        const __m256i hi = _mm256_andnot_si256(bits32(FIELD(wb, qc_block_q5_0, qh)), _mm256_set1_epi8((char)0xf0));
+        const __m256i q = _mm256_or_si256(nibbles32(FIELD(wb, qc_block_q5_0, qs)), hi);
+        const __m256i uq = _mm256_sign_epi8(q, q);
+        QC_TOKENS for (int t = 0; t < nt; t++) {
+            const qc_q8_block *xb = x + t * xs + b;
+            const __m256i p = QC_Q8_DOT(uq, _mm256_sign_epi8(load32(xb->qs), q));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
+        }
+    }
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
+}
+QC_Q8_DISPATCH(q5_0)
+
+/* Q4_K: super-blocks of 256 = 8 sub-blocks of 32 (one activation block each) with 6-bit
+ * scales sc and mins m: x = d * sc * q - dmin * m, q 0..15. Byte l of the j-th 32 bytes of qs
+ * holds element 64j + l in its low nibble and 64j + 32 + l in its high one. The dot with one
+ * activation block is d*sc * dx * sum(q * qx) - dmin*m * s (s = dx * sum(qx)). */
+QC_Q8_INLINE void QC_Q8(q4_K_rows)(const void *row, const qc_q8_block *x, int64_t xs, int nt,
+                              int64_t nb, float *out) {
+    __m256 acc[QC_Q8_MAX_TOKENS];
+    float mins[QC_Q8_MAX_TOKENS];
+    QC_TOKENS for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        mins[t] = 0.0f;
+    }
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *wb = (const uint8_t *)row + sb * (int64_t)sizeof(qc_block_q4_K);
+        if (nt == 1) prefetch_ahead(wb, (int)sizeof(qc_block_q4_K));
+        const float d = half_at(FIELD(wb, qc_block_q4_K, d)), dmin = half_at(FIELD(wb, qc_block_q4_K, dmin));
+        uint8_t sc[8], m[8];
+        q4_K_scales(FIELD(wb, qc_block_q4_K, scales), sc, m);
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = load32(FIELD(wb, qc_block_q4_K, qs) + 32 * j);
+            const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0f));
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
+            const __m256 dlo = _mm256_set1_ps(d * (float)sc[2 * j]), dhi = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
+            const float mlo = dmin * (float)m[2 * j], mhi = dmin * (float)m[2 * j + 1];
+            QC_TOKENS for (int t = 0; t < nt; t++) {
+                const qc_q8_block *xb = x + t * xs + sb * 8 + 2 * j;
+                const __m256i plo = QC_Q8_DOT(lo, load32(xb[0].qs));
+                const __m256i phi = QC_Q8_DOT(hi, load32(xb[1].qs));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), scale(dlo, &xb[0]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), scale(dhi, &xb[1]), acc[t]);
+                mins[t] = fmaf(mlo, xb[0].s, mins[t]);
+                mins[t] = fmaf(mhi, xb[1].s, mins[t]);
+            }
+        }
+    }
+    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]) - mins[t];
+}
+QC_Q8_DISPATCH(q4_K)
+
