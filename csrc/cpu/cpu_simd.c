@@ -106,7 +106,7 @@ static void detect(void) {
         snprintf(g_describe, sizeof g_describe, "error: %s", g_error);
     else if (k)
         snprintf(g_describe, sizeof g_describe, "%s, q8 dot products (Q4_0 Q5_0 Q8_0 Q4_K Q6_K)%s, f16/f32 fma%s%s",
-                 k->name, k == avx2 ? "" : " by vpdpbusd", want == WANT_AUTO ? "" : "; QWENCUDA_CPU_KERNELS=",
+                 k->name, k == avx2 ? "" : " (all but Q6_K by vpdpbusd)", want == WANT_AUTO ? "" : "; QWENCUDA_CPU_KERNELS=",
                  want == WANT_AUTO ? "" : env);
     else
         snprintf(g_describe, sizeof g_describe, "portable C (float32 reference)%s%s",

@@ -32,16 +32,17 @@
         }                                                                                       \
     }
 
-/* Q8_0: x = d * q */
-QC_Q8_INLINE void QC_Q8(q8_0_rows)(const void *row, const qc_q8_block *x, int64_t xs, int nt,
-                              int64_t nb, float *out) {
+/* Q8_0, Q4_0, Q5_0 (type: a constant in each caller): x = d * v, v the block's 32 signed values
+ * (q32_values); signed, so through the sign trick (|v| unsigned, times x with v's sign). */
+QC_Q8_INLINE void QC_Q8(q32_rows)(int type, const void *row, const qc_q8_block *x, int64_t xs,
+                                  int nt, int64_t nb, float *out) {
     __m256 acc[QC_Q8_MAX_TOKENS];
     QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q8_0);
+        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)q32_block_bytes(type);
         if (nt == 1) prefetch_ahead(wb, 1);
-        const __m256 dw = half_bcast(FIELD(wb, qc_block_q8_0, d));
-        const __m256i q = load32(FIELD(wb, qc_block_q8_0, qs));
+        const __m256 dw = half_bcast(wb);   /* d first in every one of the three */
+        const __m256i q = q32_values(type, wb);
         const __m256i uq = _mm256_sign_epi8(q, q);
         QC_TOKENS for (int t = 0; t < nt; t++) {
             const qc_q8_block *xb = x + t * xs + b;
@@ -51,58 +52,23 @@ QC_Q8_INLINE void QC_Q8(q8_0_rows)(const void *row, const qc_q8_block *x, int64_
     }
     QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
 }
-QC_Q8_DISPATCH(q8_0)
-
-/* Q4_0: x = d * (q - 8), q 0..15 */
-QC_Q8_INLINE void QC_Q8(q4_0_rows)(const void *row, const qc_q8_block *x, int64_t xs, int nt,
-                              int64_t nb, float *out) {
-    __m256 acc[QC_Q8_MAX_TOKENS];
-    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q4_0);
-        if (nt == 1) prefetch_ahead(wb, 1);
-        const __m256 dw = half_bcast(FIELD(wb, qc_block_q4_0, d));
-        const __m256i q = _mm256_sub_epi8(nibbles32(FIELD(wb, qc_block_q4_0, qs)), _mm256_set1_epi8(8));
-        const __m256i uq = _mm256_sign_epi8(q, q);
-        QC_TOKENS for (int t = 0; t < nt; t++) {
-            const qc_q8_block *xb = x + t * xs + b;
-            const __m256i p = QC_Q8_DOT(uq, _mm256_sign_epi8(load32(xb->qs), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
-        }
-    }
-    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
-}
-QC_Q8_DISPATCH(q4_0)
-
-/* Q5_0: x = d * (q - 16), q = nibble | bit << 4. q - 16 is the nibble with 0xf0 or-ed in
- * where the bit is clear (two's complement of nibble - 16) and the nibble itself where set. */
-QC_Q8_INLINE void QC_Q8(q5_0_rows)(const void *row, const qc_q8_block *x, int64_t xs, int nt,
-                              int64_t nb, float *out) {
-    __m256 acc[QC_Q8_MAX_TOKENS];
-    QC_TOKENS for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = (const uint8_t *)row + b * (int64_t)sizeof(qc_block_q5_0);
-        if (nt == 1) prefetch_ahead(wb, 1);
-        const __m256 dw = half_bcast(FIELD(wb, qc_block_q5_0, d));
-        const __m256i hi = _mm256_andnot_si256(bits32(FIELD(wb, qc_block_q5_0, qh)), _mm256_set1_epi8((char)0xf0));
-        const __m256i q = _mm256_or_si256(nibbles32(FIELD(wb, qc_block_q5_0, qs)), hi);
-        const __m256i uq = _mm256_sign_epi8(q, q);
-        QC_TOKENS for (int t = 0; t < nt; t++) {
-            const qc_q8_block *xb = x + t * xs + b;
-            const __m256i p = QC_Q8_DOT(uq, _mm256_sign_epi8(load32(xb->qs), q));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale(dw, xb), acc[t]);
-        }
-    }
-    QC_TOKENS for (int t = 0; t < nt; t++) out[t] = hsum_ps(acc[t]);
-}
-QC_Q8_DISPATCH(q5_0)
+#define QC_Q32_(kernel, type)                                                                   \
+    QC_Q8_INLINE void QC_Q8(kernel##_rows)(const void *row, const qc_q8_block *x, int64_t xs,  \
+                                           int nt, int64_t nb, float *out) {                    \
+        QC_Q8(q32_rows)(type, row, x, xs, nt, nb, out);                                          \
+    }                                                                                           \
+    QC_Q8_DISPATCH(kernel)
+QC_Q32_(q8_0, QC_TYPE_Q8_0)
+QC_Q32_(q4_0, QC_TYPE_Q4_0)
+QC_Q32_(q5_0, QC_TYPE_Q5_0)
+#undef QC_Q32_
 
 /* Q4_K: super-blocks of 256 = 8 sub-blocks of 32 (one activation block each) with 6-bit
  * scales sc and mins m: x = d * sc * q - dmin * m, q 0..15. Byte l of the j-th 32 bytes of qs
  * holds element 64j + l in its low nibble and 64j + 32 + l in its high one. The dot with one
  * activation block is d*sc * dx * sum(q * qx) - dmin*m * s (s = dx * sum(qx)). */
 QC_Q8_INLINE void QC_Q8(q4_K_rows)(const void *row, const qc_q8_block *x, int64_t xs, int nt,
-                              int64_t nb, float *out) {
+                                   int64_t nb, float *out) {
     __m256 acc[QC_Q8_MAX_TOKENS];
     float mins[QC_Q8_MAX_TOKENS];
     QC_TOKENS for (int t = 0; t < nt; t++) {

@@ -16,9 +16,8 @@
  * Signed weights keep AVX2's sign trick (|w| unsigned, x with w's sign): vpdpbusd is also
  * unsigned by signed, and an offset (w + 128) would change the integers of each lane.
  *
- * The kernels are written once (simd_vnni_kernels.h) and compiled for each encoding; the
- * unpacking helpers are simd_x86.h's, the AVX2 set's own (the same layouts, unpacked the same
- * way), inlined into both.
+ * The kernels are the AVX2 set's own source (simd_q8_kernels.h: Q8_0, Q4_0, Q5_0, Q4_K) compiled
+ * once more for each encoding, with vpdpbusd as the integer dot. Q6_K keeps the AVX2 kernel.
  */
 #include "cpu_simd.h"
 
@@ -34,23 +33,26 @@
 #include "simd_x86.h"
 
 /* the VEX form: AVX-VNNI */
-#define QC_VNNI_TARGET "avx2,fma,f16c,avxvnni"
-#define QC_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#define QC_VNNI(name) name##_avxvnni
-#include "simd_vnni_kernels.h"
-#undef QC_VNNI_TARGET
-#undef QC_DPBUSD
-#undef QC_VNNI
+#define QC_Q8_TARGET "avx2,fma,f16c,avxvnni"
+#define QC_Q8_DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define QC_Q8(name) name##_avxvnni
+#include "simd_q8_kernels.h"
+#undef QC_Q8_TARGET
+#undef QC_Q8_DOT
+#undef QC_Q8
 
 /* the EVEX form on ymm registers: AVX512-VNNI + AVX512VL (zmm is never used: no frequency
  * licence, and the float part stays 8 lanes as the AVX2 set's) */
-#define QC_VNNI_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-#define QC_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#define QC_VNNI(name) name##_avx512vnni
-#include "simd_vnni_kernels.h"
-#undef QC_VNNI_TARGET
-#undef QC_DPBUSD
-#undef QC_VNNI
+#define QC_Q8_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+#define QC_Q8_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#define QC_Q8(name) name##_avx512vnni
+#include "simd_q8_kernels.h"
+#undef QC_Q8_TARGET
+#undef QC_Q8_DOT
+#undef QC_Q8
+#undef QC_Q8_FN
+#undef QC_Q8_INLINE
+#undef QC_Q8_DISPATCH
 
 static qc_simd_kernels vnni_sets[2];
 
@@ -58,21 +60,20 @@ const qc_simd_kernels *qc_simd_vnni_kernels(const qc_simd_kernels *avx2, int avx
     if (avx2 == NULL) return NULL;
     qc_simd_kernels *k = &vnni_sets[avx512 != 0];
     *k = *avx2;
+    /* Q6_K keeps the AVX2 kernel: it applies the scales inside vpmaddwd, which vpdpbusd has
+     * no room for, so a VNNI Q6_K kernel is no shorter */
+#define QC_VNNI_SET_(sfx)                                                                       \
+    k->name = "avx2+fma+f16c+" #sfx;                                                            \
+    k->q8_dot[QC_TYPE_Q4_0] = q4_0_dot_##sfx;                                                   \
+    k->q8_dot[QC_TYPE_Q5_0] = q5_0_dot_##sfx;                                                   \
+    k->q8_dot[QC_TYPE_Q8_0] = q8_0_dot_##sfx;                                                   \
+    k->q8_dot[QC_TYPE_Q4_K] = q4_K_dot_##sfx;
     if (avx512) {
-        k->name = "avx2+fma+f16c+avx512vnni";
-        k->q8_dot[QC_TYPE_Q4_0] = q4_0_dot_avx512vnni;
-        k->q8_dot[QC_TYPE_Q5_0] = q5_0_dot_avx512vnni;
-        k->q8_dot[QC_TYPE_Q8_0] = q8_0_dot_avx512vnni;
-        k->q8_dot[QC_TYPE_Q4_K] = q4_K_dot_avx512vnni;
-        k->q8_dot[QC_TYPE_Q6_K] = q6_K_dot_avx512vnni;
+        QC_VNNI_SET_(avx512vnni)
     } else {
-        k->name = "avx2+fma+f16c+avxvnni";
-        k->q8_dot[QC_TYPE_Q4_0] = q4_0_dot_avxvnni;
-        k->q8_dot[QC_TYPE_Q5_0] = q5_0_dot_avxvnni;
-        k->q8_dot[QC_TYPE_Q8_0] = q8_0_dot_avxvnni;
-        k->q8_dot[QC_TYPE_Q4_K] = q4_K_dot_avxvnni;
-        k->q8_dot[QC_TYPE_Q6_K] = q6_K_dot_avxvnni;
+        QC_VNNI_SET_(avxvnni)
     }
+#undef QC_VNNI_SET_
     return k;
 }
 

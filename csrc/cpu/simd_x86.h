@@ -96,6 +96,24 @@ QC_X86_INLINE __m256 scale(__m256 dw, const qc_q8_block *xb) {
     return _mm256_mul_ps(dw, _mm256_broadcast_ss(&xb->d));
 }
 
+/* The formats with one fp16 scale d (first in the block) and 32 values a block: Q8_0 (q, signed),
+ * Q4_0 (q - 8, q a nibble) and Q5_0 (q - 16, q a nibble and a bit of qh: q - 16 is the nibble
+ * with 0xf0 or-ed in where the bit is clear, two's complement of nibble - 16, and the nibble
+ * itself where set). type is a constant wherever these are inlined. */
+_Static_assert(offsetof(qc_block_q8_0, d) == 0 && offsetof(qc_block_q4_0, d) == 0 &&
+               offsetof(qc_block_q5_0, d) == 0, "d first");
+QC_X86_INLINE size_t q32_block_bytes(int type) {
+    return type == QC_TYPE_Q8_0 ? sizeof(qc_block_q8_0)
+         : type == QC_TYPE_Q4_0 ? sizeof(qc_block_q4_0) : sizeof(qc_block_q5_0);
+}
+QC_X86_INLINE __m256i q32_values(int type, const uint8_t *wb) {
+    if (type == QC_TYPE_Q8_0) return load32(FIELD(wb, qc_block_q8_0, qs));
+    if (type == QC_TYPE_Q4_0)
+        return _mm256_sub_epi8(nibbles32(FIELD(wb, qc_block_q4_0, qs)), _mm256_set1_epi8(8));
+    const __m256i hi = _mm256_andnot_si256(bits32(FIELD(wb, qc_block_q5_0, qh)), _mm256_set1_epi8((char)0xf0));
+    return _mm256_or_si256(nibbles32(FIELD(wb, qc_block_q5_0, qs)), hi);
+}
+
 /* Q4_K's 6-bit scales and mins of the eight sub-blocks (gguf's get_scale_min_k4). */
 QC_X86_INLINE void q4_K_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
     for (int j = 0; j < 4; j++) {
