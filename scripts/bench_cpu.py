@@ -18,7 +18,6 @@ easier work for llama.cpp).
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -26,19 +25,16 @@ import time
 
 
 def llama_bench_rows(llama_bench, args):
-    """{"pp": tok/s, "tg": tok/s} from llama-bench's table (the mean of its repeats)."""
+    """{"pp": tok/s, "tg": tok/s} from llama-bench's JSON records (avg_ts: the mean of its
+    repeats; a record with n_gen 0 is a prefill), as scripts/bench_sizes.py reads them."""
     env = dict(os.environ)
     libdir = os.path.dirname(os.path.realpath(llama_bench))
     env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
-    out = subprocess.run([llama_bench] + args, capture_output=True, text=True, env=env, timeout=1800)
+    out = subprocess.run([llama_bench] + args + ["-o", "json"], capture_output=True, text=True,
+                         env=env, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-500:]}")
-    got = {}
-    for line in out.stdout.splitlines():
-        m = re.search(r"\|\s*(pp|tg)(\d+)(?: @ d\d+)?\s*\|\s*([\d.]+)\s*±", line)
-        if m:
-            got[m.group(1)] = float(m.group(3))
-    return got
+    return {("pp" if r.get("n_gen", 0) == 0 else "tg"): r["avg_ts"] for r in json.loads(out.stdout)}
 
 
 def llama_run(llama_bench, model, threads, p, n, repeats, same_depth):

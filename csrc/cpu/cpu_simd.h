@@ -18,9 +18,9 @@
  *
  * The sets, best first: "avx512vnni" (vpdpbusd in its EVEX form on ymm registers: AVX512-VNNI
  * and AVX512VL, with the OS saving the AVX-512 state), "avxvnni" (its VEX form, AVX-VNNI), then
- * "avx2". The VNNI sets replace only the q8 dot kernels, and give the AVX2 set's results bit
- * for bit: their integer sums per 32-bit lane are the same exact integers, and everything in
- * float is the same sequence of operations (simd_vnni.c). QWENCUDA_CPU_KERNELS, read once,
+ * "avx2". The VNNI sets replace the q8 dot kernels but Q6_K's, compiled from the AVX2 set's own
+ * source (simd_q8_kernels.h), and give its results bit for bit: their integer sums per 32-bit
+ * lane are the same exact integers, and everything in float is the same code (simd_vnni.c). QWENCUDA_CPU_KERNELS, read once,
  * forces one: auto (or unset: the best), avx2, vnni (the best VNNI set), avxvnni, avx512vnni,
  * or float / portable (the reference ops); a value this CPU cannot run, or an unknown one, is
  * an error of every CPU backend created (qc_simd_error).
@@ -108,9 +108,9 @@ const char *qc_simd_describe(void);
 const qc_simd_kernels *qc_simd_avx2_kernels(void);
 
 /* The VNNI sets (simd_vnni.c): avx2's set (made first: it fills the fp16 table) with its q8
- * dot kernels replaced by vpdpbusd ones, in its EVEX form (avx512 != 0; call only where the CPU
- * has AVX512-VNNI and AVX512VL and the OS saves the AVX-512 state) or its VEX form (AVX-VNNI).
- * NULL where the compiler cannot build them. Called once, by qc_simd_get. */
+ * dot kernels but Q6_K's replaced by vpdpbusd ones, in its EVEX form (avx512 != 0; call only
+ * where the CPU has AVX512-VNNI and AVX512VL and the OS saves the AVX-512 state) or its VEX form
+ * (AVX-VNNI). NULL where the compiler cannot build them. Called once, by qc_simd_get. */
 const qc_simd_kernels *qc_simd_vnni_kernels(const qc_simd_kernels *avx2, int avx512);
 
 /* Portable C quantization, the specification of the SIMD one (bit-identical). */

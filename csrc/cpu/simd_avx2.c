@@ -114,9 +114,6 @@ QC_Q8_DISPATCH(q6_K)
 #undef QC_Q8_TARGET
 #undef QC_Q8_DOT
 #undef QC_Q8
-#undef QC_Q8_FN
-#undef QC_Q8_INLINE
-#undef QC_Q8_DISPATCH
 
 /* ---------------------------------------------------------------------------------------- */
 /* float rows by float activations                                                           */

@@ -5,32 +5,14 @@
  *   QC_Q8_DOT(u, s)  eight int32 lanes, each the sum of four products of unsigned bytes u by
  *                    signed bytes s (AVX2: vpmaddubsw + vpmaddwd by ones; VNNI: vpdpbusd);
  *   QC_Q8(name)      this copy's name of a function (q8_0_dot -> q8_0_dot_avxvnni, ...);
- * and may use QC_Q8_INLINE and QC_Q8_DISPATCH (below) for kernels of its own (Q6_K), undefining
- * them with its own macros when done.
+ * and undefines them when done. The functions are made by simd_x86.h's QC_Q8_INLINE and
+ * QC_Q8_DISPATCH, which an includer may use for kernels of its own (simd_avx2.c's Q6_K).
  * Every instruction set computes the same integer in each lane, and everything after it is this
  * one float sequence, so the sets' results are the same bits (tests/test_cpu_vnni.py).
  *
  * Weight rows by 8-bit activations: one row, n_tok tokens (a compile-time constant in each
  * specialisation, so that the accumulators stay in registers). For every token the sequence
  * of operations is the same whatever n_tok is. */
-
-#define QC_Q8_FN static __attribute__((target(QC_Q8_TARGET)))
-#define QC_Q8_INLINE static inline __attribute__((target(QC_Q8_TARGET), always_inline))
-
-#define QC_Q8_DISPATCH(kernel)                                                                  \
-    QC_Q8_FN void QC_Q8(kernel##_dot)(const void *row, const qc_q8_block *x, int64_t xs,       \
-                                      int n_tok, int64_t nb, float *out) {                      \
-        switch (n_tok) {                                                                        \
-        case 1: QC_Q8(kernel##_rows)(row, x, xs, 1, nb, out); break;                            \
-        case 2: QC_Q8(kernel##_rows)(row, x, xs, 2, nb, out); break;                            \
-        case 3: QC_Q8(kernel##_rows)(row, x, xs, 3, nb, out); break;                            \
-        case 4: QC_Q8(kernel##_rows)(row, x, xs, 4, nb, out); break;                            \
-        case 5: QC_Q8(kernel##_rows)(row, x, xs, 5, nb, out); break;                            \
-        case 6: QC_Q8(kernel##_rows)(row, x, xs, 6, nb, out); break;                            \
-        case 7: QC_Q8(kernel##_rows)(row, x, xs, 7, nb, out); break;                            \
-        default: QC_Q8(kernel##_rows)(row, x, xs, 8, nb, out); break;                           \
-        }                                                                                       \
-    }
 
 /* Q8_0, Q4_0, Q5_0 (type: a constant in each caller): x = d * v, v the block's 32 signed values
  * (q32_values); signed, so through the sign trick (|v| unsigned, times x with v's sign). */

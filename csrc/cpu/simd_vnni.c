@@ -50,9 +50,6 @@
 #undef QC_Q8_TARGET
 #undef QC_Q8_DOT
 #undef QC_Q8
-#undef QC_Q8_FN
-#undef QC_Q8_INLINE
-#undef QC_Q8_DISPATCH
 
 static qc_simd_kernels vnni_sets[2];
 

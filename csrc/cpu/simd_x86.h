@@ -12,6 +12,27 @@
 
 #define QC_X86_INLINE static inline __attribute__((target("avx2,fma,f16c"), always_inline))
 
+/* The q8 dot kernels' functions (simd_q8_kernels.h, simd_avx2.c's Q6_K), for the instruction set
+ * and names that the including file defines as QC_Q8_TARGET and QC_Q8(name) around them: a
+ * kernel's rows function is specialised for each constant token count by its dispatch. */
+#define QC_Q8_FN static __attribute__((target(QC_Q8_TARGET)))
+#define QC_Q8_INLINE static inline __attribute__((target(QC_Q8_TARGET), always_inline))
+
+#define QC_Q8_DISPATCH(kernel)                                                                  \
+    QC_Q8_FN void QC_Q8(kernel##_dot)(const void *row, const qc_q8_block *x, int64_t xs,       \
+                                      int n_tok, int64_t nb, float *out) {                      \
+        switch (n_tok) {                                                                        \
+        case 1: QC_Q8(kernel##_rows)(row, x, xs, 1, nb, out); break;                            \
+        case 2: QC_Q8(kernel##_rows)(row, x, xs, 2, nb, out); break;                            \
+        case 3: QC_Q8(kernel##_rows)(row, x, xs, 3, nb, out); break;                            \
+        case 4: QC_Q8(kernel##_rows)(row, x, xs, 4, nb, out); break;                            \
+        case 5: QC_Q8(kernel##_rows)(row, x, xs, 5, nb, out); break;                            \
+        case 6: QC_Q8(kernel##_rows)(row, x, xs, 6, nb, out); break;                            \
+        case 7: QC_Q8(kernel##_rows)(row, x, xs, 7, nb, out); break;                            \
+        default: QC_Q8(kernel##_rows)(row, x, xs, 8, nb, out); break;                           \
+        }                                                                                       \
+    }
+
 /* The loops over a call's tokens (nt <= 8, a constant in each specialisation) unrolled early,
  * so that gcc keeps the accumulators acc[t] in registers: left to its later complete unrolling
  * it also stored every accumulator to the stack at every block (one Zen 3 core, best of 6:
