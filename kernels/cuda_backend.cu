@@ -12,6 +12,7 @@
 #include "qc_cuda.cuh"
 #include "qc_cuda_api.h"
 #include "qc_dequant.cuh"
+#include "qc_gemv_q8.cuh"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -211,6 +212,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->attn_part) cudaFree(cu->attn_part);
             if (cu->scratch_norm) cudaFree(cu->scratch_norm);
             if (cu->attn_done) cudaFree(cu->attn_done);
+            if (cu->q8x) cudaFree(cu->q8x);
             if (cu->blas) cublasDestroy(cu->blas);
             if (cu->stream) cudaStreamDestroy(cu->stream);
         }
@@ -298,6 +300,7 @@ extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *er
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_part, QC_ATT_PART_FLOATS * sizeof(float)));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_done, QC_ATT_PAIRS * sizeof(unsigned int)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->attn_done, 0, QC_ATT_PAIRS * sizeof(unsigned int), cu->stream));
+    QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
 #undef QC_CREATE_CHECK
     if ((bs = cublasCreate(&cu->blas)) != CUBLAS_STATUS_SUCCESS ||
         (bs = cublasSetStream(cu->blas, cu->stream)) != CUBLAS_STATUS_SUCCESS) {
@@ -307,6 +310,8 @@ extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *er
     {
         const char *decode = getenv("QWENCUDA_DECODE_ATTENTION");
         cu->flash_decode = !(decode && strcmp(decode, "split") == 0);
+        const char *gemv = getenv("QWENCUDA_GEMV");
+        cu->gemv_q8 = !(gemv && strcmp(gemv, "float") == 0);
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

@@ -3,7 +3,9 @@
  *
  * Decode and short batches (n <= QC_GEMV_MAX_TOKENS): a GEMV per block format that reads the
  * stored blocks directly, once per call however many tokens: one warp per output row
- * (qc_gemv.cuh). Accumulation is fp32.
+ * (qc_gemv.cuh). Accumulation is fp32. The 8-bit formats (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K) first
+ * quantize x to 8 bits (qc_cuda_quantize_q8, below) and take integer dot products
+ * (qc_gemv_q8.cuh), as llama.cpp and the CPU's fast kernels do.
  *
  * Prefill (n > QC_GEMV_MAX_TOKENS): cuBLAS on tensor cores. F32 weights go to an fp32 GEMM as
  * they are; F16 weights are used in place with x converted to f16; the block formats are decoded
@@ -18,6 +20,7 @@
  * out + r0 with the same ldc.
  */
 #include "qc_gemv.cuh"
+#include "qc_gemv_q8.cuh"
 
 #include <cuda_fp16.h>
 
@@ -68,6 +71,93 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
             out[at] = residual ? residual[at] + v : v;
         }
     }
+}
+
+/* The same on 8-bit activations (qc_gemv_q8.cuh), for the types of qc_q8_type. */
+template <int T, int NT, int S>
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
+qc_gemv_q8_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
+                  const qc_q8x x, int n, const float *__restrict__ bias, const float *residual,
+                  float *out) {
+    static_assert(S == 1 || S == QC_GEMV_WARPS, "a split row takes the whole block");
+    __shared__ float slice_sum[S > 1 ? S : 1][NT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t r = S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS + warp : (int64_t)blockIdx.x;
+    const int t0 = blockIdx.y * NT;
+    if (r >= rows) return;
+    float acc[NT];
+    qc_gemv_q8_row_slice<T, NT>(W + r * row_bytes, cols, x, n, t0, lane + 32 * warp * (S > 1), 32 * S, acc);
+    if (S > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < NT; j++) slice_sum[warp][j] = acc[j];
+        }
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            acc[j] = slice_sum[0][j];
+#pragma unroll
+            for (int w = 1; w < S; w++) acc[j] += slice_sum[w][j];
+        }
+    }
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        if (t0 + j < n) {
+            const int64_t at = (int64_t)(t0 + j) * rows + r;
+            const float v = bias ? acc[j] + bias[r] : acc[j];
+            out[at] = residual ? residual[at] + v : v;
+        }
+    }
+}
+
+/* x[n][cols] to 8 bits: one warp per block of 32 (qc_q8_quantize_block). */
+__global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t blocks, int8_t *qs, float2 *ds) {
+    const int lane = threadIdx.x & 31;
+    const int64_t b = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= blocks) return;
+    qc_q8_quantize_block(x[32 * b + lane], lane, qs + 32 * b, ds + b);
+}
+
+int qc_cuda_gemv_q8(qc_backend *be, uint32_t type, int64_t cols) {
+    return qc_cuda_of(be)->gemv_q8 && qc_q8_type(type) && cols % 32 == 0 && cols <= QC_Q8X_MAX_COLS;
+}
+
+int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_q8x *out) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (n < 1 || n > QC_GEMV_MAX_TOKENS || cols % 32 != 0 || cols > QC_Q8X_MAX_COLS)
+        return qc_cuda_value_error(be, "quantize_q8: %d x %lld does not fit the 8-bit buffer", n, (long long)cols);
+    int8_t *qs = (int8_t *)cu->q8x;
+    float2 *ds = (float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(n, cols));
+    const int64_t blocks = (int64_t)n * (cols / 32);
+    const int warps = 8;
+    qc_quantize_q8_kernel<<<(unsigned)((blocks + warps - 1) / warps), 32 * warps, 0, cu->stream>>>(x, blocks, qs, ds);
+    *out = qc_q8x{qs, ds, cols, cols / 32};
+    return QC_LAUNCHED(be, "qc_quantize_q8_kernel");
+}
+
+template <int T, int S>
+static void launch_gemv_q8_s(const qc_weight *w, const float *bias, const qc_q8x &x, int n,
+                             const float *residual, float *out, cudaStream_t st) {
+    const int64_t rb = qc_row_bytes_t<T>(w->cols);
+    const int64_t rows_per_block = QC_GEMV_WARPS / S;
+    const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
+    const dim3 block(32 * QC_GEMV_WARPS);
+    const uint8_t *W = (const uint8_t *)w->data;
+    switch (qc_gemv_tokens_per_block(n)) {
+    case 1: qc_gemv_q8_kernel<T, 1, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out); break;
+    case 2: qc_gemv_q8_kernel<T, 2, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out); break;
+    case 4: qc_gemv_q8_kernel<T, 4, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out); break;
+    default: qc_gemv_q8_kernel<T, 8, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out); break;
+    }
+}
+
+template <int T>
+static void launch_gemv_q8(const qc_weight *w, const float *bias, const qc_q8x &x, int n,
+                           const float *residual, float *out, cudaStream_t st) {
+    if (qc_gemv_split(w->cols) > 1) launch_gemv_q8_s<T, QC_GEMV_WARPS>(w, bias, x, n, residual, out, st);
+    else launch_gemv_q8_s<T, 1>(w, bias, x, n, residual, out, st);
 }
 
 template <int T, int S>
@@ -175,6 +265,16 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
     const int64_t rows_per_block = QC_GEMV_WARPS / qc_gemv_split(w->cols);
     if ((w->rows + rows_per_block - 1) / rows_per_block > INT32_MAX)
         return qc_cuda_value_error(be, "matmul: %lld rows is too many", (long long)w->rows);
+    if (qc_cuda_gemv_q8(be, w->type, w->cols)) {
+        qc_q8x xq;
+        if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0) return -1;
+        switch (w->type) {
+#define QC_CASE_(T) case T: launch_gemv_q8<T>(w, bias, xq, n, residual, out, cu->stream); break;
+            QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+        }
+        return QC_LAUNCHED(be, "qc_gemv_q8_kernel");
+    }
     switch (w->type) {
 #define QC_CASE_(T) case T: launch_gemv<T>(w, bias, x, n, residual, out, cu->stream); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)

@@ -11,9 +11,14 @@
  * every block's shared memory first (qc_norm_row_to_shared: the rmsnorm kernel's numbers), so the
  * attention norm costs no launch; other evals normalise into a scratch buffer first.
  *
+ * A weight with an 8-bit GEMV (qc_gemv_q8.cuh) gets qc_gemv_q8_row_any's dot products, on x
+ * quantized to 8 bits: by each block after its fused norm (in shared memory), else once into
+ * the backend's buffer (qc_cuda_quantize_q8), as matmul does; the others the float ones.
+ *
  * Prefill (n > QC_GEMV_MAX_TOKENS): the matmul op, once per weight (cuBLAS).
  */
 #include "qc_gemv.cuh"
+#include "qc_gemv_q8.cuh"
 
 /* One weight of a launch, by value in the kernel's parameters. */
 struct qc_gemv_part {
@@ -22,23 +27,34 @@ struct qc_gemv_part {
     float *out;               /* (n, rows) */
     int64_t row_bytes, rows;
     uint32_t type;
+    int q8;                   /* 8-bit GEMV (qc_cuda_gemv_q8) */
     unsigned first_block;     /* blocks before this part's */
 };
 
 struct qc_gemv_parts {
     qc_gemv_part part[QC_MATMUL_MULTI_MAX];
     int n_parts;
+    int any_q8;
 };
 
 template <int NT>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
-qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__restrict__ x, int n,
-                     const float *__restrict__ norm_w, float eps) {
+qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__restrict__ x,
+                     const qc_q8x xq, int n, const float *__restrict__ norm_w, float eps) {
     /* one normalised token row (decode); NT > 1 launches never get a norm weight */
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    __shared__ __align__(16) int8_t q8_qs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 16];
+    __shared__ float2 q8_ds[NT == 1 ? QC_NORM_FUSE_MAX_COLS / 32 : 1];
+    qc_q8x xv = xq;
     if constexpr (NT == 1) {
-        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+        if (norm_w) {
+            qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+            if (parts.any_q8) {
+                qc_q8_quantize_shared(xs, (int)cols, q8_qs, q8_ds);
+                xv = qc_q8x{q8_qs, q8_ds, cols, cols / 32};
+            }
+        }
     }
     /* the part of this block: the last whose first block is <= blockIdx.x (an unrolled loop:
      * constant indices, so the parameter array is not copied to local memory) */
@@ -51,7 +67,8 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
     const int t0 = blockIdx.y * NT;
     if (r >= p.rows) return;   /* whole warps leave together: the shuffles stay full */
     float acc[NT];
-    if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(p.type, p.W + r * p.row_bytes, cols, xs, n, t0, lane, acc);
+    if (p.q8) qc_gemv_q8_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, xv, n, t0, lane, acc);
+    else if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(p.type, p.W + r * p.row_bytes, cols, xs, n, t0, lane, acc);
     else qc_gemv_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, x, n, t0, lane, acc);
     if (lane != 0) return;
 #pragma unroll
@@ -94,6 +111,8 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
         p->row_bytes = qc_row_bytes(w->type, w->cols);
         p->rows = w->rows;
         p->type = w->type;
+        p->q8 = qc_cuda_gemv_q8(be, w->type, cols);
+        launch.any_q8 |= p->q8;
         p->first_block = (unsigned)blocks;
         blocks += (w->rows + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS;
         if (blocks > INT32_MAX)
@@ -102,11 +121,14 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
     launch.n_parts = n_parts;
     if (blocks == 0) return 0;
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n)), block(32 * QC_GEMV_WARPS);
+    /* the 8-bit parts' x: quantized by each block after the fused norm, else once here */
+    qc_q8x xq = {};
+    if (launch.any_q8 && !(norm_w && n == 1) && qc_cuda_quantize_q8(be, x, n, cols, &xq) < 0) return -1;
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_multi_kernel<1><<<grid, block, 0, cu->stream>>>(launch, cols, x, n, norm_w, eps); break;
-    case 2: qc_gemv_multi_kernel<2><<<grid, block, 0, cu->stream>>>(launch, cols, x, n, NULL, eps); break;
-    case 4: qc_gemv_multi_kernel<4><<<grid, block, 0, cu->stream>>>(launch, cols, x, n, NULL, eps); break;
-    default: qc_gemv_multi_kernel<8><<<grid, block, 0, cu->stream>>>(launch, cols, x, n, NULL, eps); break;
+    case 1: qc_gemv_multi_kernel<1><<<grid, block, 0, cu->stream>>>(launch, cols, x, xq, n, norm_w, eps); break;
+    case 2: qc_gemv_multi_kernel<2><<<grid, block, 0, cu->stream>>>(launch, cols, x, xq, n, NULL, eps); break;
+    case 4: qc_gemv_multi_kernel<4><<<grid, block, 0, cu->stream>>>(launch, cols, x, xq, n, NULL, eps); break;
+    default: qc_gemv_multi_kernel<8><<<grid, block, 0, cu->stream>>>(launch, cols, x, xq, n, NULL, eps); break;
     }
     return QC_LAUNCHED(be, "qc_gemv_multi_kernel");
 }

@@ -8,12 +8,14 @@
  * type that is the same for the whole grid. The dot products are qc_gemv_row's and the SwiGLU is
  * qc_silu_mul, so act equals matmul, matmul, swiglu bit for bit.
  *
- * A norm weight is applied as in matmul_multi.cu (in shared memory for a decode launch).
+ * A norm weight is applied as in matmul_multi.cu (in shared memory for a decode launch), and
+ * so are 8-bit activations where both weights have an 8-bit GEMV (qc_gemv_q8.cuh).
  *
  * Prefill (n > QC_GEMV_MAX_TOKENS): those three ops, with gate in act and up in a backend
  * scratch buffer (grown outside the decode path, like matmul's).
  */
 #include "qc_gemv.cuh"
+#include "qc_gemv_q8.cuh"
 
 /* Tokens t0 .. t0 + NT - 1 (those < n) against row blockIdx.x * WARPS + warp of both weights,
  * of one type T. */
@@ -69,6 +71,72 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
 #pragma unroll
     for (int j = 0; j < NT; j++)
         if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+}
+
+/* The same where gate or up has an 8-bit GEMV (qc_gemv_q8.cuh; both of one type: in one loop),
+ * on xq (global, n tokens) or, with norm_w (NT = 1), x normalised and quantized in shared
+ * memory; a weight of another type takes the float GEMV, as in matmul. The launcher checks
+ * qc_cuda_gemv_q8, so qc_q8_type here says the same. */
+template <int NT>
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
+qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_bytes, uint32_t gate_type,
+                         const uint8_t *__restrict__ Wu, int64_t up_row_bytes, uint32_t up_type,
+                         int64_t rows, int64_t cols, const float *__restrict__ x, const qc_q8x xq,
+                         int n, const float *__restrict__ norm_w, float eps, float *__restrict__ act) {
+    __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
+    __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    __shared__ __align__(16) int8_t q8_qs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 16];
+    __shared__ float2 q8_ds[NT == 1 ? QC_NORM_FUSE_MAX_COLS / 32 : 1];
+    qc_q8x xv = xq;
+    if constexpr (NT == 1) {
+        if (norm_w) {
+            qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+            qc_q8_quantize_shared(xs, (int)cols, q8_qs, q8_ds);
+            xv = qc_q8x{q8_qs, q8_ds, cols, cols / 32};
+        }
+    }
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * NT;
+    if (r >= rows) return;
+    float g[NT], u[NT];
+    const bool gq8 = qc_q8_type(gate_type), uq8 = qc_q8_type(up_type);
+    if (gate_type == up_type) {
+        switch (gate_type) {
+#define QC_CASE_(T) case T: qc_gemv_q8_row2<T, NT>(Wg + r * gate_row_bytes, Wu + r * up_row_bytes, cols, xv, n, t0, lane, g, u); break;
+            QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+        }
+    } else {
+        /* one of them may be a float-GEMV type: its dot products are the matmul's float ones */
+        const uint8_t *rg = Wg + r * gate_row_bytes, *ru = Wu + r * up_row_bytes;
+        if (gq8) qc_gemv_q8_row_any<NT>(gate_type, rg, cols, xv, n, t0, lane, g);
+        else if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(gate_type, rg, cols, xs, n, t0, lane, g);
+        else qc_gemv_row_any<NT>(gate_type, rg, cols, x, n, t0, lane, g);
+        if (uq8) qc_gemv_q8_row_any<NT>(up_type, ru, cols, xv, n, t0, lane, u);
+        else if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(up_type, ru, cols, xs, n, t0, lane, u);
+        else qc_gemv_row_any<NT>(up_type, ru, cols, x, n, t0, lane, u);
+    }
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+}
+
+static void launch_swiglu_q8(const qc_weight *w_gate, const qc_weight *w_up, const float *x,
+                             const qc_q8x &xq, int n, const float *nw, float eps, float *act,
+                             dim3 grid, cudaStream_t st) {
+    const int64_t cols = w_gate->cols, rows = w_gate->rows;
+    const int64_t grb = qc_row_bytes(w_gate->type, cols), urb = qc_row_bytes(w_up->type, cols);
+    const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
+    const uint32_t gt = w_gate->type, ut = w_up->type;
+    const dim3 block(32 * QC_GEMV_WARPS);
+    switch (qc_gemv_tokens_per_block(n)) {
+    case 1: qc_gemv_q8_swiglu_kernel<1><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, xq, n, nw, eps, act); break;
+    case 2: qc_gemv_q8_swiglu_kernel<2><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, xq, n, NULL, eps, act); break;
+    case 4: qc_gemv_q8_swiglu_kernel<4><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, xq, n, NULL, eps, act); break;
+    default: qc_gemv_q8_swiglu_kernel<8><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, xq, n, NULL, eps, act); break;
+    }
 }
 
 template <int T>
@@ -128,6 +196,12 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     if (blocks > INT32_MAX)
         return qc_cuda_value_error(be, "matmul_swiglu: %lld rows is too many", (long long)rows);
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n));
+    if (qc_cuda_gemv_q8(be, w_gate->type, w_gate->cols) || qc_cuda_gemv_q8(be, w_up->type, w_up->cols)) {
+        qc_q8x xq = {};
+        if (!(norm_w && n == 1) && qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq) < 0) return -1;
+        launch_swiglu_q8(w_gate, w_up, x, xq, n, norm_w, eps, act, grid, cu->stream);
+        return QC_LAUNCHED(be, "qc_gemv_q8_swiglu_kernel");
+    }
     if (w_gate->type != w_up->type) {
         launch_swiglu_mixed(w_gate, w_up, x, n, norm_w, eps, act, grid, cu->stream);
         return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");

@@ -44,6 +44,11 @@ typedef struct qc_cuda {
      * keys (1), or always the fp32 split-K kernel reading f16 (0: QWENCUDA_DECODE_ATTENTION=split
      * at creation, to compare) */
     int flash_decode;
+    /* the decode GEMV of the 8-bit formats on 8-bit activations (1, qc_gemv_q8.cuh), or the
+     * float GEMV everywhere (0: QWENCUDA_GEMV=float at creation); q8x holds the quantized
+     * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */
+    int gemv_q8;
+    void *q8x;
 } qc_cuda;
 
 /* Floats of attn_part: 32 splits x 14 heads x (64 + 2) for a 0.5B decode step is 30k; evals that

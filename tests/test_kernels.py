@@ -14,13 +14,16 @@ Tolerances, and why:
     Q4_K / Q6_K; csrc/cpu/cpu_simd.h): x is rounded to d * q per block of 32 with
     d = max|x| / 127, so each x[i] moves by at most max|x_block| / 254, and the bound is exactly
     that: sum over blocks of max|x_b| / 254 * sum_b |W|, plus the fp32 term above. "cpu:float"
-    is the float32 reference engine and keeps the fp32 bound.
+    is the float32 reference engine and keeps the fp32 bound. The CUDA GEMV of those types
+    (n <= 8 tokens) quantizes x the same way (kernels/qc_gemv_q8.cuh) and has the same bound.
   - rmsnorm, rope, swiglu, add, attention: fp32 arithmetic, 1e-5 relative to the magnitude of
     the values involved (stated per test).
 Shapes are odd on purpose (1, 3, 17, 130 rows or tokens; non-square weights; tokens on both sides
 of the GEMV / cuBLAS switch at 8) so that the cuBLAS row/column-major mapping and every tail path
 are exercised.
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -107,8 +110,12 @@ def device(request):
 Q8_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 
 
-def _q8_path(device, type_name):
-    """Whether this matmul runs with 8-bit activations (the CPU's fast kernels)."""
+def _q8_path(device, type_name, n):
+    """Whether this matmul runs with 8-bit activations: the CPU's fast kernels, and the CUDA GEMV
+    of those types (kernels/qc_gemv_q8.cuh: n <= 8 tokens, unless QWENCUDA_GEMV=float)."""
+    if device == "cuda":
+        return (type_name in Q8_TYPES and n <= K.GEMV_MAX_TOKENS
+                and os.environ.get("QWENCUDA_GEMV") != "float")
     return (device == "cpu" and type_name in Q8_TYPES
             and "q8 dot products" in qwencuda.build_info()["cpu_kernels"])
 
@@ -116,7 +123,7 @@ def _q8_path(device, type_name):
 def matmul_err(device, type_name, n, x64, wref):
     """The allowed |y - x @ W.T| of a matmul (see the module docstring), shape (n, rows)."""
     scale = np.abs(x64) @ np.abs(wref).T
-    if _q8_path(device, type_name):
+    if _q8_path(device, type_name, n):
         nb = x64.shape[-1] // 32
         amax = np.abs(x64.reshape(-1, nb, 32)).max(-1)               # (n, blocks)
         wsum = np.abs(wref).reshape(wref.shape[0], nb, 32).sum(-1)   # (rows, blocks)

@@ -1,0 +1,355 @@
+/* qc_gemv_q8.cuh: the decode GEMV of the 8-bit formats (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K) on 8-bit
+ * activations: integer dot products (dp4a), scaled to float once per block of 32.
+ *
+ * Why: the float GEMV (qc_gemv.cuh) converts every weight to float before its FMA, about 20
+ * instructions per byte of Q4_K; an H100 issues about 9 per byte of HBM bandwidth, so that
+ * GEMV ran at a fifth of the bound (0.6 TB/s, bench/results). Here a lane takes 32 or 64
+ * elements at a time (a "unit"), unpacks four weights per integer instruction and multiplies
+ * them with four activations per dp4a: about 2.5 instructions per byte, and each lane has a
+ * whole unit (34..52 bytes) of loads in flight instead of 8 elements.
+ *
+ * The activations are quantized exactly as the CPU's fast kernels do (csrc/cpu/cpu_simd.h,
+ * qc_q8_quantize_ref: per block of 32, d = max|x| / 127, q = x / d rounded to nearest even,
+ * s = d * sum(q)), by qc_q8_quantize_block below, whether into global memory (matmul.cu's
+ * qc_cuda_quantize_q8, for the matmul's x) or into a block's shared memory after the fused
+ * norm: both give the same bytes, so the fused ops equal their unfused sequences bit for bit.
+ * The error is the CPU's: each x[i] moves by at most max|x_block| / 254 (tests/test_kernels.py
+ * checks that bound). QWENCUDA_GEMV=float at backend creation keeps the float GEMV.
+ *
+ * Layout of quantized activations (qc_q8x): qs, n rows of cols int8 (a row of 32 is 16-byte
+ * aligned), and ds, n rows of cols / 32 float2 (d, s).
+ */
+#ifndef QC_GEMV_Q8_CUH
+#define QC_GEMV_Q8_CUH
+
+#include "qc_gemv.cuh"
+
+struct qc_q8x {
+    const int8_t *qs;
+    const float2 *ds;
+    int64_t qs_stride, ds_stride;    /* per token: cols and cols / 32 */
+};
+
+/* Lane `lane` of a warp holds v = x[32 b + lane]: qs[lane] and (lane 0) *ds of that block. */
+__device__ __forceinline__ void qc_q8_quantize_block(float v, int lane, int8_t *qs, float2 *ds) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const float r = rintf(__fmul_rn(v, id));
+    const int q = r > 127.0f ? 127 : r < -127.0f ? -127 : r == r ? (int)r : 0;
+    int sum = q;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    qs[lane] = (int8_t)q;
+    if (lane == 0) *ds = make_float2(d, __fmul_rn(d, (float)sum));
+}
+
+/* cols values of xs (shared) quantized into xq / xd (shared) by the block's warps; every thread
+ * calls it (it ends with a barrier). */
+__device__ __forceinline__ void qc_q8_quantize_shared(const float *xs, int cols, int8_t *xq, float2 *xd) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int b = warp; b < cols / 32; b += warps) qc_q8_quantize_block(xs[32 * b + lane], lane, xq + 32 * b, xd + b);
+    __syncthreads();
+}
+
+/* ---- loads ---------------------------------------------------------------------------- */
+
+/* v[k] = the little-endian 32-bit words at p + 4k, k < N, for p 2-byte aligned (the 2-aligned
+ * formats): aligned word loads and funnel shifts, the last two bytes by a 2-byte load, so no
+ * byte outside [p, p + 4N) is read. */
+template <int N>
+__device__ __forceinline__ void qc_ld_words(const uint8_t *p, int (&v)[N]) {
+    const uint32_t sh = (uint32_t)(uintptr_t)p & 2u;
+    const uint32_t *w = (const uint32_t *)(p - sh);
+    uint32_t a[N + 1];
+#pragma unroll
+    for (int k = 0; k < N; k++) a[k] = __ldg(w + k);
+    a[N] = sh ? (uint32_t)__ldg((const unsigned short *)(p + 4 * N - 2)) : 0u;
+#pragma unroll
+    for (int k = 0; k < N; k++) v[k] = (int)__funnelshift_r(a[k], a[k + 1], 8 * sh);
+}
+
+__device__ __forceinline__ float qc_ldh(const uint8_t *p) {
+    return __half2float(__ushort_as_half(__ldg((const unsigned short *)p)));
+}
+
+/* The 8 words of activation block b of one token (shared or global memory). */
+__device__ __forceinline__ void qc_q8_x(const int8_t *qs, int64_t b, int (&x)[8]) {
+    const int4 a = *(const int4 *)(qs + 32 * b), c = *(const int4 *)(qs + 32 * b + 16);
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = c.x; x[5] = c.y; x[6] = c.z; x[7] = c.w;
+}
+
+/* bit i of b (i < 4) to bit 4 of byte i: the fifth bit of four Q5_0 weights */
+__device__ __forceinline__ int qc_spread4(uint32_t b) { return (int)(((b * 0x00204081u) & 0x01010101u) << 4); }
+
+/* ---- one unit: acc[j] += dot(elements [UNIT u, UNIT u + UNIT) of the row, token t0 + j) ----
+ * qc_q8_unit<T>::run, for the tokens t0 + j < n; UNIT = 32 (one activation block) or 64. */
+template <int T> struct qc_q8_unit { static constexpr bool OK = false; static constexpr int UNIT = 32; };
+
+/* Q8_0 (34 bytes): x = d * q */
+template <> struct qc_q8_unit<QC_TYPE_Q8_0> {
+    static constexpr bool OK = true;
+    static constexpr int UNIT = 32;
+    template <int NT>
+    __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
+        const uint8_t *b = row + u * sizeof(qc_block_q8_0);
+        int w[8];
+        qc_ld_words<8>(b + offsetof(qc_block_q8_0, qs), w);
+        const float d = qc_ldh(b + offsetof(qc_block_q8_0, d));
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (t0 + j >= n) break;
+            int xv[8];
+            qc_q8_x(x.qs + (t0 + j) * x.qs_stride, u, xv);
+            int s = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) s = __dp4a(w[k], xv[k], s);
+            acc[j] += d * x.ds[(t0 + j) * x.ds_stride + u].x * (float)s;
+        }
+    }
+};
+
+/* Q4_0 (18 bytes): x = d * (q - 8); element e < 16 is the low nibble of qs[e], e + 16 the high */
+template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
+    static constexpr bool OK = true;
+    static constexpr int UNIT = 32;
+    template <int NT>
+    __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
+        const uint8_t *b = row + u * sizeof(qc_block_q4_0);
+        int q[4], w[8];
+        qc_ld_words<4>(b + offsetof(qc_block_q4_0, qs), q);
+        const float d = qc_ldh(b + offsetof(qc_block_q4_0, d));
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            w[k] = (int)__vsub4((uint32_t)q[k] & 0x0F0F0F0Fu, 0x08080808u);
+            w[k + 4] = (int)__vsub4(((uint32_t)q[k] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (t0 + j >= n) break;
+            int xv[8];
+            qc_q8_x(x.qs + (t0 + j) * x.qs_stride, u, xv);
+            int s = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) s = __dp4a(w[k], xv[k], s);
+            acc[j] += d * x.ds[(t0 + j) * x.ds_stride + u].x * (float)s;
+        }
+    }
+};
+
+/* Q5_0 (22 bytes): x = d * (q - 16), bit 4 of element e is bit e of qh */
+template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
+    static constexpr bool OK = true;
+    static constexpr int UNIT = 32;
+    template <int NT>
+    __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
+        static_assert(offsetof(qc_block_q5_0, qs) == offsetof(qc_block_q5_0, qh) + 4, "qh, then qs");
+        const uint8_t *b = row + u * sizeof(qc_block_q5_0);
+        int hq[5], w[8];
+        qc_ld_words<5>(b + offsetof(qc_block_q5_0, qh), hq);
+        const float d = qc_ldh(b + offsetof(qc_block_q5_0, d));
+        const uint32_t qh = (uint32_t)hq[0];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const uint32_t q = (uint32_t)hq[k + 1];
+            w[k] = (int)__vsub4((q & 0x0F0F0F0Fu) | qc_spread4((qh >> (4 * k)) & 15u), 0x10101010u);
+            w[k + 4] = (int)__vsub4(((q >> 4) & 0x0F0F0F0Fu) | qc_spread4((qh >> (16 + 4 * k)) & 15u), 0x10101010u);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (t0 + j >= n) break;
+            int xv[8];
+            qc_q8_x(x.qs + (t0 + j) * x.qs_stride, u, xv);
+            int s = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) s = __dp4a(w[k], xv[k], s);
+            acc[j] += d * x.ds[(t0 + j) * x.ds_stride + u].x * (float)s;
+        }
+    }
+};
+
+/* Q4_K (144 bytes, 256 elements): x = d * sc_j * q - dmin * m_j for sub-block j of 32. A unit is
+ * the 64 elements of sub-blocks 2g and 2g + 1, whose weights are the low and the high nibbles of
+ * the same 32 bytes qs[32g ..]. The block is 16-byte aligned (144 = 9 * 16): vector loads. */
+template <> struct qc_q8_unit<QC_TYPE_Q4_K> {
+    static constexpr bool OK = true;
+    static constexpr int UNIT = 64;
+    /* byte i (< 12) of the scales, held in three words */
+    __device__ static __forceinline__ uint32_t sbyte(uint32_t s0, uint32_t s1, uint32_t s2, int i) {
+        const uint32_t w = i < 4 ? s0 : i < 8 ? s1 : s2;
+        return (w >> (8 * (i & 3))) & 0xFFu;
+    }
+    /* quants.c's get_scale_min_k4 */
+    __device__ static __forceinline__ void scale_min(uint32_t s0, uint32_t s1, uint32_t s2, int j, int &sc, int &m) {
+        if (j < 4) {
+            sc = (int)(sbyte(s0, s1, s2, j) & 63u);
+            m = (int)(sbyte(s0, s1, s2, j + 4) & 63u);
+        } else {
+            sc = (int)((sbyte(s0, s1, s2, j + 4) & 15u) | (sbyte(s0, s1, s2, j - 4) >> 6) << 4);
+            m = (int)((sbyte(s0, s1, s2, j + 4) >> 4) | (sbyte(s0, s1, s2, j) >> 6) << 4);
+        }
+    }
+    template <int NT>
+    __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
+        static_assert(sizeof(qc_block_q4_K) % 16 == 0 && offsetof(qc_block_q4_K, qs) == 16, "aligned layout");
+        const uint8_t *b = row + (u >> 2) * sizeof(qc_block_q4_K);
+        const int g = (int)(u & 3);
+        const uint4 h = __ldg((const uint4 *)b);
+        const uint4 qa = __ldg((const uint4 *)(b + 16 + 32 * g)), qb = __ldg((const uint4 *)(b + 32 + 32 * g));
+        const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFFu)));
+        const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
+        int sc0, m0, sc1, m1;
+        scale_min(h.y, h.z, h.w, 2 * g, sc0, m0);
+        scale_min(h.y, h.z, h.w, 2 * g + 1, sc1, m1);
+        int lo[8], hi[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            lo[k] = (int)(q[k] & 0x0F0F0F0Fu);
+            hi[k] = (int)((q[k] >> 4) & 0x0F0F0F0Fu);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (t0 + j >= n) break;
+            const int8_t *xq = x.qs + (t0 + j) * x.qs_stride;
+            const float2 *xd = x.ds + (t0 + j) * x.ds_stride;
+            int x0[8], x1[8];
+            qc_q8_x(xq, 2 * u, x0);
+            qc_q8_x(xq, 2 * u + 1, x1);
+            int s0 = 0, s1 = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                s0 = __dp4a(lo[k], x0[k], s0);
+                s1 = __dp4a(hi[k], x1[k], s1);
+            }
+            const float2 a0 = xd[2 * u], a1 = xd[2 * u + 1];
+            acc[j] += d * ((float)(sc0 * s0) * a0.x + (float)(sc1 * s1) * a1.x) -
+                      dmin * ((float)m0 * a0.y + (float)m1 * a1.y);
+        }
+    }
+};
+
+/* Q6_K (210 bytes, 256 elements): x = d * sc[e / 16] * (q - 32), q = 4 bits of ql and 2 of qh.
+ * Element e = 128 h + 32 t + l takes the nibble t >> 1 of ql[64 h + 32 (t & 1) + l] and bits 2t
+ * of qh[32 h + l] (quants.c). A unit is t = t0 and t0 + 2 of one h: the low and the high
+ * nibbles of the same 32 ql bytes, two bit pairs of the same 32 qh bytes. */
+template <> struct qc_q8_unit<QC_TYPE_Q6_K> {
+    static constexpr bool OK = true;
+    static constexpr int UNIT = 64;
+    template <int NT>
+    __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
+        const uint8_t *b = row + (u >> 2) * sizeof(qc_block_q6_K);
+        const int hh = (int)(u >> 1) & 1, tt = (int)(u & 1);
+        int ql[8], qh[8];
+        qc_ld_words<8>(b + offsetof(qc_block_q6_K, ql) + 64 * hh + 32 * tt, ql);
+        qc_ld_words<8>(b + offsetof(qc_block_q6_K, qh) + 32 * hh, qh);
+        const uint8_t *sc = b + offsetof(qc_block_q6_K, scales) + 8 * hh + 2 * tt;
+        const uint32_t sca = __ldg((const unsigned short *)sc), scb = __ldg((const unsigned short *)(sc + 4));
+        const int sc0 = (int)(int8_t)(sca & 0xFFu), sc1 = (int)(int8_t)(sca >> 8);
+        const int sc2 = (int)(int8_t)(scb & 0xFFu), sc3 = (int)(int8_t)(scb >> 8);
+        const float d = qc_ldh(b + offsetof(qc_block_q6_K, d));
+        int lo[8], hi[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const uint32_t l4 = (uint32_t)ql[k], h2 = (uint32_t)qh[k];
+            lo[k] = (int)__vsub4((l4 & 0x0F0F0F0Fu) | ((h2 >> (2 * tt)) & 0x03030303u) << 4, 0x20202020u);
+            hi[k] = (int)__vsub4(((l4 >> 4) & 0x0F0F0F0Fu) | ((h2 >> (2 * tt + 4)) & 0x03030303u) << 4, 0x20202020u);
+        }
+        const int64_t xb = 8 * (u >> 2) + 4 * hh + tt;    /* activation blocks xb and xb + 2 */
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            if (t0 + j >= n) break;
+            const int8_t *xq = x.qs + (t0 + j) * x.qs_stride;
+            const float2 *xd = x.ds + (t0 + j) * x.ds_stride;
+            int x0[8], x1[8];
+            qc_q8_x(xq, xb, x0);
+            qc_q8_x(xq, xb + 2, x1);
+            int la = 0, lb = 0, ha = 0, hb = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                la = __dp4a(lo[k], x0[k], la);
+                lb = __dp4a(lo[k + 4], x0[k + 4], lb);
+                ha = __dp4a(hi[k], x1[k], ha);
+                hb = __dp4a(hi[k + 4], x1[k + 4], hb);
+            }
+            acc[j] += d * ((float)(sc0 * la + sc1 * lb) * xd[xb].x + (float)(sc2 * ha + sc3 * hb) * xd[xb + 2].x);
+        }
+    }
+};
+
+/* Whether type t has an 8-bit GEMV (host and device). */
+static inline __host__ __device__ bool qc_q8_type(uint32_t t) {
+    return t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0 || t == QC_TYPE_Q4_K || t == QC_TYPE_Q6_K;
+}
+#define QC_Q8_FOR_EACH_TYPE(X) X(QC_TYPE_Q4_0) X(QC_TYPE_Q5_0) X(QC_TYPE_Q8_0) X(QC_TYPE_Q4_K) X(QC_TYPE_Q6_K)
+
+/* ---- rows ------------------------------------------------------------------------------ */
+
+/* acc[j] = the sum over units first, first + stride, ... of the row, token t0 + j: the same
+ * value in every lane of the warp (full-warp shuffles: all 32 lanes call it). */
+template <int T, int NT>
+__device__ __forceinline__ void qc_gemv_q8_row_slice(const uint8_t *__restrict__ row, int64_t cols,
+                                                     const qc_q8x &x, int n, int t0, int64_t first,
+                                                     int64_t stride, float (&acc)[NT]) {
+    const int64_t units = cols / qc_q8_unit<T>::UNIT;
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j] = 0.0f;
+#pragma unroll 2
+    for (int64_t u = first; u < units; u += stride) qc_q8_unit<T>::template run<NT>(row, u, x, n, t0, acc);
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+    }
+}
+
+/* Two rows of one type against the same x (matmul_swiglu's gate and up): one loop, both rows'
+ * loads in flight; each accumulator gets exactly qc_gemv_q8_row_slice's operations. */
+template <int T, int NT>
+__device__ __forceinline__ void qc_gemv_q8_row2(const uint8_t *__restrict__ row_a, const uint8_t *__restrict__ row_b,
+                                                int64_t cols, const qc_q8x &x, int n, int t0, int lane,
+                                                float (&acc_a)[NT], float (&acc_b)[NT]) {
+    const int64_t units = cols / qc_q8_unit<T>::UNIT;
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc_a[j] = acc_b[j] = 0.0f;
+    for (int64_t u = lane; u < units; u += 32) {
+        qc_q8_unit<T>::template run<NT>(row_a, u, x, n, t0, acc_a);
+        qc_q8_unit<T>::template run<NT>(row_b, u, x, n, t0, acc_b);
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            acc_a[j] += __shfl_xor_sync(0xffffffffu, acc_a[j], off);
+            acc_b[j] += __shfl_xor_sync(0xffffffffu, acc_b[j], off);
+        }
+    }
+}
+
+/* One warp, one row, of a type known at run time (the same for the whole block). */
+template <int NT>
+__device__ __forceinline__ void qc_gemv_q8_row_any(uint32_t type, const uint8_t *__restrict__ row, int64_t cols,
+                                                   const qc_q8x &x, int n, int t0, int lane, float (&acc)[NT]) {
+    switch (type) {
+#define QC_CASE_(T) case T: qc_gemv_q8_row_slice<T, NT>(row, cols, x, n, t0, lane, 32, acc); return;
+        QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j] = 0.0f;   /* unreachable: launchers check qc_q8_type */
+}
+
+/* Quantize x (n rows of cols floats, cols a multiple of 32) into the backend's q8 buffer and
+ * describe it in *out (matmul.cu). Never allocates: the buffer is made at creation. */
+#define QC_Q8X_MAX_COLS 65536
+static inline size_t qc_q8x_qs_bytes(int n, int64_t cols) { return ((size_t)n * (size_t)cols + 15) / 16 * 16; }
+static inline size_t qc_q8x_bytes(int n, int64_t cols) {
+    return qc_q8x_qs_bytes(n, cols) + (size_t)n * (size_t)(cols / 32) * sizeof(float2);
+}
+int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_q8x *out);
+/* Whether matmuls of weight type `type` and `cols` columns take the 8-bit GEMV on this backend. */
+int qc_cuda_gemv_q8(qc_backend *be, uint32_t type, int64_t cols);
+
+#endif /* QC_GEMV_Q8_CUH */
