@@ -337,3 +337,42 @@ extern "C" int qc_cuda_mem_info(int device, size_t *free_bytes, size_t *total_by
     }
     return 0;
 }
+
+/* The calling thread's device becomes `device` for one call and is restored after it: the
+ * functions below may run on any Python thread, whose own CUDA work must not move. */
+static cudaError_t set_device_saving(int device, int *prev) {
+    *prev = -1;
+    cudaError_t e = cudaGetDevice(prev);
+    if (e != cudaSuccess) return e;
+    return *prev == device ? cudaSuccess : cudaSetDevice(device);
+}
+
+static void restore_device(int device, int prev) {
+    if (prev >= 0 && prev != device) cudaSetDevice(prev);
+}
+
+extern "C" void qc_cuda_buffer_free(int device, void *ptr) {
+    int prev;
+    if (ptr == NULL) return;
+    /* cudaFree waits for the device, so a consumer's queued kernel cannot outlive the buffer; a
+     * failure here (a context already poisoned) has no one to report to */
+    if (set_device_saving(device, &prev) == cudaSuccess) cudaFree(ptr);
+    cudaGetLastError();
+    restore_device(device, prev);
+}
+
+extern "C" int qc_cuda_buffer_download(int device, void *host_dst, const void *src, size_t bytes, qc_error *err) {
+    int prev;
+    if (bytes == 0) return 0;
+    cudaError_t e = set_device_saving(device, &prev);
+    /* synchronous, on the legacy default stream: after the work of the default stream (torch's
+     * unless told otherwise) that may have written the buffer */
+    if (e == cudaSuccess) e = cudaMemcpy(host_dst, src, bytes, cudaMemcpyDeviceToHost);
+    restore_device(device, prev);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return qc_fail(err, QC_ERR_CUDA, "cudaMemcpy of %zu bytes from cuda:%d failed: %s (%s)", bytes, device,
+                       cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    return 0;
+}

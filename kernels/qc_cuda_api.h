@@ -13,6 +13,11 @@ extern "C" {
 /* cudaMemGetInfo of device: free and total bytes (device-wide, all processes). */
 int qc_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes, qc_error *err);
 
+/* A buffer of device from the CUDA backend's alloc, freed or read by the device ordinal alone (no
+ * backend): a capture kept on the GPU (session.h) lives in Python, maybe after its model closed. */
+void qc_cuda_buffer_free(int device, void *ptr);   /* NULL ok; waits for the device's queued work */
+int qc_cuda_buffer_download(int device, void *host_dst, const void *src, size_t bytes, qc_error *err);
+
 #ifdef __cplusplus
 }
 #endif

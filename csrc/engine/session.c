@@ -8,11 +8,13 @@
  * join the cache before the next chunk attends to them, so the result is the same as one pass.
  *
  * Capture copies a named activation to host memory right after the step that produced it, and
- * only when one of the caller's patterns names it. A patch (qc_patch_spec) hands the same host
- * copy to the caller's function first and uploads what it returns, so the rest of the forward
- * pass reads the patched value. Every captured tensor is allocated, at its
- * full size, before any work, and the sum is checked against the capture budget first, so a
- * capture that cannot fit is refused with MemoryError instead of killing the process.
+ * only when one of the caller's patterns names it; with capture_device, to a buffer of the CUDA
+ * device instead (a device-to-device copy), which the caller takes and frees without the
+ * backend. A patch (qc_patch_spec) hands the same host copy to the caller's function first and
+ * uploads what it returns, so the rest of the forward pass reads the patched value. Every
+ * captured tensor is allocated, at its full size, before any work, and the sum is checked against
+ * the capture budget first (in GPU memory for device captures), so a capture that cannot fit is
+ * refused with MemoryError instead of killing the process.
  * Attention scores and probabilities are recomputed for the captured query rows by the exact
  * attention (fp32 over the cache's values), in blocks of rows, so a long context's attention can
  * be read one row at a time in O(n) memory; the forward pass itself always runs the same
@@ -33,6 +35,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#ifdef QC_HAVE_CUDA
+#include "../../kernels/qc_cuda_api.h"
+#endif
 
 /* ---------------------------------------------------------------------------------------- */
 /* capture names (DESIGN.md): four global ones, and per layer, in forward order */
@@ -153,7 +159,16 @@ typedef struct {
 
 void qc_capture_free(qc_capture *c) {
     if (c == NULL) return;
-    for (int i = 0; i < c->n; i++) free(c->items[i].data);
+    for (int i = 0; i < c->n; i++) {
+        qc_tensor_out *t = &c->items[i];
+#ifdef QC_HAVE_CUDA
+        if (t->on_device) {
+            qc_cuda_buffer_free(t->device, t->data);
+            continue;
+        }
+#endif
+        free(t->data);   /* (a device item exists only in CUDA builds) */
+    }
     free(c->items);
     c->items = NULL;
     c->n = c->cap = 0;
@@ -248,6 +263,42 @@ void qc_session_set_capture_budget(qc_session *s, size_t bytes) { s->capture_bud
 
 static double gib(size_t bytes) { return (double)bytes / (double)(1u << 30); }
 
+/* Captures can stay on the device of a CUDA backend only: their buffers are freed without it
+ * (qc_cuda_buffer_free), so Python may keep them after the model is closed. */
+static int keeps_device_captures(const qc_backend *be) {
+#ifdef QC_HAVE_CUDA
+    return strcmp(be->name, "cuda") == 0;
+#else
+    (void)be;
+    return 0;
+#endif
+}
+
+/* The capture budget for device captures, as for host ones (qc_session_check): the caller's, or
+ * half of the GPU memory free now, looked up (cudaMemGetInfo) only for more than
+ * QC_BUDGET_UNCHECKED. */
+static int check_device_budget(const qc_session *s, size_t need, int count, qc_error *err) {
+    size_t budget = s->capture_budget, free_now = 0;
+    if (budget == 0 && need <= QC_BUDGET_UNCHECKED) return 0;
+    if (budget == 0) {
+#ifdef QC_HAVE_CUDA
+        size_t total = 0;
+        if (qc_cuda_mem_info(s->be->device, &free_now, &total, err) < 0) return -1;
+#endif
+        budget = free_now / 2;
+    }
+    if (need <= budget) return 0;
+    char why[80];
+    if (s->capture_budget) snprintf(why, sizeof why, "set by the caller");
+    else snprintf(why, sizeof why, "half of the %.2f GiB free on the GPU now", gib(free_now));
+    return qc_fail(err, QC_ERR_NOMEM,
+                   "this eval's device captures (%d tensors) need %.2f GiB of GPU memory on cuda:%d, over "
+                   "the capture budget of %.2f GiB (%s); capture fewer names or layers, choose query rows "
+                   "with attn_rows= for attention at long context, capture to host memory "
+                   "(capture_device='cpu'), or raise the budget (qwencuda.set_capture_budget)",
+                   count, gib(need), s->be->device, gib(budget), why);
+}
+
 /* The eval's plan from its request (no checks here: qc_session_check made them). */
 static void plan_eval(const qc_session *s, const qc_eval_request *req, qc_eval_result *res, eval_plan *p) {
     memset(p, 0, sizeof *p);
@@ -285,7 +336,7 @@ static size_t patch_bytes(const qc_session *s, const eval_plan *p, int *count) {
     return most;
 }
 
-/* Host bytes this eval's captures take (and how many names), by the shapes of plan p. */
+/* Bytes this eval's captures take (and how many names), by the shapes of plan p. */
 static size_t capture_bytes(const qc_session *s, const eval_plan *p, int *count) {
     const qc_capture_spec *spec = p->req->spec;
     char name[64];
@@ -330,11 +381,14 @@ int qc_session_check(const qc_session *s, const qc_eval_request *req, qc_error *
                                i, r, req->attn_rows[i - 1]);
         }
     }
+    if (req->capture_device && !keeps_device_captures(s->be))
+        return qc_fail(err, QC_ERR_VALUE, "captures stay on the device only on a CUDA backend, and this "
+                       "session runs on %s: capture to host memory (capture_device='cpu')", s->be->name);
     eval_plan p;
     qc_eval_result none;
     int count = 0;
     plan_eval(s, req, &none, &p);
-    size_t need = capture_bytes(s, &p, &count);
+    const size_t captured = capture_bytes(s, &p, &count);
     int n_patched = 0;
     /* a patch of attention rows needs every row of the eval: its output is recomputed */
     const size_t patch_need = patch_bytes(s, &p, &n_patched);
@@ -350,6 +404,10 @@ int qc_session_check(const qc_session *s, const qc_eval_request *req, qc_error *
             }
         }
     }
+    /* device captures take GPU memory, checked on its own; patches and logits stay host memory */
+    if (req->capture_device && check_device_budget(s, captured, count, err) < 0) return -1;
+    size_t need = req->capture_device ? 0 : captured;
+    if (req->capture_device) count = 0;
     need += patch_need;
     if (req->want_logits) need += (size_t)p.head_rows * ((size_t)c->n_vocab * sizeof(float) + sizeof(int32_t));
     /* the default budget is looked up (a read of /proc/meminfo) only for evals that need more
@@ -408,9 +466,14 @@ static int capture_prepare(qc_session *s, eval_plan *p, qc_error *err) {
             cap->items = items;
             cap->cap = grow;
         }
-        void *data = malloc(bytes ? bytes : 1);
-        if (data == NULL)
+        void *data = NULL;
+        if (p->req->capture_device) {
+            qc_backend *be = s->be;
+            if (be->ops->alloc(be, bytes ? bytes : 4, &data) < 0)
+                return qc_fail(err, be->err.kind, "capture %s on the device: %s", name, be->err.msg);
+        } else if ((data = malloc(bytes ? bytes : 1)) == NULL) {
             return qc_fail(err, QC_ERR_NOMEM, "capture %s: out of memory (%zu bytes)", name, bytes);
+        }
         qc_tensor_out *t = &cap->items[cap->n];
         memset(t, 0, sizeof *t);
         snprintf(t->name, sizeof t->name, "%s", name);
@@ -418,6 +481,8 @@ static int capture_prepare(qc_session *s, eval_plan *p, qc_error *err) {
         memcpy(t->shape, d, sizeof t->shape);
         t->dtype = dtype;
         t->data = data;
+        t->on_device = p->req->capture_device;
+        t->device = s->be->device;
         s->slot[i] = cap->n++;
         p->n_captured++;
     }
@@ -431,9 +496,67 @@ static int capture_rows(qc_session *s, const eval_plan *p, int slot, const void 
     if (slot < 0 || nrows <= 0) return 0;
     qc_tensor_out *t = &p->res->capture.items[slot];
     char *dst = (char *)t->data + (size_t)row0 * (size_t)width * 4;
-    if (be->ops->download(be, dst, src, (size_t)nrows * (size_t)width * 4) < 0)
-        return qc_fail(err, be->err.kind, "capture %s: %s", t->name, be->err.msg);
+    const size_t bytes = (size_t)nrows * (size_t)width * 4;
+    const int rc = t->on_device ? be->ops->copy(be, dst, src, bytes) : be->ops->download(be, dst, src, bytes);
+    if (rc < 0) return qc_fail(err, be->err.kind, "capture %s: %s", t->name, be->err.msg);
     return 0;
+}
+
+/* A whole captured tensor (bytes) computed in host memory (patched attention) into its capture. */
+static int capture_host(qc_session *s, const eval_plan *p, int slot, const void *host, size_t bytes,
+                        qc_error *err) {
+    qc_backend *be = s->be;
+    if (slot < 0) return 0;
+    qc_tensor_out *t = &p->res->capture.items[slot];
+    if (!t->on_device) {
+        memcpy(t->data, host, bytes);
+    } else if (be->ops->upload(be, t->data, host, bytes) < 0) {
+        return qc_fail(err, be->err.kind, "capture %s: %s", t->name, be->err.msg);
+    }
+    return 0;
+}
+
+/* count floats of value at backend dst: one upload of up to 1024, then copies that double the
+ * filled part (log2 of count launches). */
+static int fill_backend(qc_backend *be, float *dst, size_t count, float value, qc_error *err) {
+    float seed[1024];
+    const size_t first = count < 1024 ? count : 1024;
+    for (size_t i = 0; i < 1024; i++) seed[i] = value;
+    /* (an upload from the stack: the backend has taken the bytes when it returns, backend.h) */
+    if (be->ops->upload(be, dst, seed, first * sizeof *seed) < 0) goto fail;
+    for (size_t done = first; done < count;) {
+        const size_t n = count - done < done ? count - done : done;
+        if (be->ops->copy(be, dst + done, dst, n * sizeof *dst) < 0) goto fail;
+        done += n;
+    }
+    return 0;
+fail:
+    return qc_fail(err, be->err.kind, "%s", be->err.msg);
+}
+
+/* Rows [b0, b0 + nb) of captured attention, (n_head, nb, n_kv) at backend src, into a device
+ * capture (n_head, n_attn_q, p->n_kv) at dst, padded to the eval's keys with pad (-inf or 0):
+ * one copy per head when the block sees every key of the eval (one chunk), else the head's rows
+ * are filled with pad and each row's n_kv keys copied over them. */
+static int attn_rows_to_device(qc_session *s, const eval_plan *p, float *dst, const float *src, int b0,
+                               int nb, int n_kv, float pad, qc_error *err) {
+    qc_backend *be = s->be;
+    const size_t width = (size_t)p->n_kv, keys = (size_t)n_kv;
+    for (int h = 0; h < (int)s->m->cfg.n_head; h++) {
+        float *d = dst + ((size_t)h * (size_t)p->n_attn_q + (size_t)b0) * width;
+        const float *from = src + (size_t)h * (size_t)nb * keys;
+        if (keys == width) {
+            if (be->ops->copy(be, d, from, (size_t)nb * width * sizeof(float)) < 0) goto backend_fail;
+            continue;
+        }
+        if (fill_backend(be, d, (size_t)nb * width, pad, err) < 0) return -1;
+        for (int i = 0; i < nb; i++)
+            if (be->ops->copy(be, d + (size_t)i * width, from + (size_t)i * keys, keys * sizeof(float)) < 0)
+                goto backend_fail;
+    }
+    return 0;
+backend_fail:
+    return qc_fail(err, be->err.kind, "%s", be->err.msg);
 }
 
 /* The caller's patch of tensor i (name index), nrows x width floats at backend buf: a host copy
@@ -778,8 +901,9 @@ static int capture_attention(qc_session *s, const eval_plan *p, int l, int c0, i
     if (block < 1) block = 1;
     if (block > k1 - k0) block = k1 - k0;
     if (ensure_attn_rows(s, block, n_kv, err) < 0) return -1;
-    host = malloc((size_t)block * per_row);
-    if (host == NULL) return qc_fail(err, QC_ERR_NOMEM, "capture of attention rows: out of memory");
+    /* host captures go through a host block; device captures never leave the device */
+    if (!req->capture_device && (host = malloc((size_t)block * per_row)) == NULL)
+        return qc_fail(err, QC_ERR_NOMEM, "capture of attention rows: out of memory");
     int32_t pos_rows[64];
     for (int b0 = k0; b0 < k1; b0 += block) {
         const int nb = k1 - b0 < block ? k1 - b0 : block;
@@ -805,6 +929,12 @@ static int capture_attention(qc_session *s, const eval_plan *p, int l, int c0, i
             const int slot = which ? p_slot : s_slot;
             if (slot < 0) continue;
             const float pad = which ? 0.0f : -INFINITY;
+            if (req->capture_device) {
+                if (attn_rows_to_device(s, p, p->res->capture.items[slot].data, which ? s->ar.probs : s->ar.scores,
+                                        b0, nb, n_kv, pad, err) < 0)
+                    goto done;
+                continue;
+            }
             OP(op->download(be, host, which ? s->ar.probs : s->ar.scores, (size_t)nb * per_row));
             float *dst = p->res->capture.items[slot].data;
             for (int h = 0; h < n_head; h++) {
@@ -864,8 +994,10 @@ static int patch_attention(qc_session *s, const eval_plan *p, int l, int nc, int
         OP(op->download(be, P, s->ar.probs, count * sizeof *P));
     }
     if (s->patched[i_probs] && patch_host(s, p, i_probs, P, err) < 0) goto done;
-    if (s->slot[i_scores] >= 0) memcpy(p->res->capture.items[s->slot[i_scores]].data, S, count * sizeof *S);
-    if (s->slot[i_probs] >= 0) memcpy(p->res->capture.items[s->slot[i_probs]].data, P, count * sizeof *P);
+    /* (computed on the host: a device capture receives an upload) */
+    if (capture_host(s, p, s->slot[i_scores], S, count * sizeof *S, err) < 0 ||
+        capture_host(s, p, s->slot[i_probs], P, count * sizeof *P, err) < 0)
+        goto done;
     /* att[t][h][:] = sum_j P[h][t][j] * v[j][h / group][:] */
     OP(op->download(be, raw, cache.v, (size_t)n_kv * kv_dim * esize));
     for (size_t e = 0; e < (size_t)n_kv * kv_dim; e++)

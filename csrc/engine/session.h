@@ -20,13 +20,18 @@ const char *qc_capture_global_name(int i);
 int qc_capture_layer_count(void);
 const char *qc_capture_layer_name(int i);
 
-/* One captured tensor, copied to host memory. */
-typedef struct {
+/* One captured tensor, copied to host memory, or with qc_eval_request.capture_device to a buffer
+ * of the CUDA device that ran the eval. */
+typedef struct qc_tensor_out {
     char name[64];            /* capture name, e.g. "blk.3.q_rope" (DESIGN.md) */
     int ndim;
     int64_t shape[3];
     int dtype;                /* QC_DTYPE_* */
-    void *data;               /* malloc'd; whoever takes it sets this to NULL */
+    void *data;               /* whoever takes it sets this to NULL; host: malloc'd; device: from the
+                                 backend's alloc, freed by qc_cuda_buffer_free (qc_cuda_api.h),
+                                 which needs no backend, so it may outlive the model */
+    int on_device;            /* 0: host memory; 1: memory of CUDA device `device` */
+    int device;               /* CUDA ordinal when on_device */
 } qc_tensor_out;
 
 typedef struct {
@@ -34,7 +39,7 @@ typedef struct {
     int n, cap;
 } qc_capture;
 
-void qc_capture_free(qc_capture *c);   /* frees every data still owned, and the array */
+void qc_capture_free(qc_capture *c);   /* frees every data still owned (host or device), and the array */
 
 /* Which tensors to capture: fnmatch(3) glob patterns over capture names. */
 typedef struct {
@@ -77,7 +82,9 @@ int qc_session_set_chunk(qc_session *s, int chunk, qc_error *err);
 
 /* Bytes of host memory one eval may fill with captures and logits before it is refused with
  * QC_ERR_NOMEM (nothing allocated, nothing run). 0 = the default: half of the memory the system
- * has available at the time of the eval (MemAvailable). */
+ * has available at the time of the eval (MemAvailable). The same number bounds, on its own, the
+ * GPU memory of captures kept on the device (capture_device), whose default is half of the
+ * device's free memory at the time of the eval (cudaMemGetInfo). */
 size_t qc_session_capture_budget(const qc_session *s);   /* the budget in force now */
 void qc_session_set_capture_budget(qc_session *s, size_t bytes);
 
@@ -97,6 +104,10 @@ typedef struct {
     const qc_sample_state *sample;
     /* tensors to change mid-forward (see qc_patch_spec); NULL: none, no cost */
     const qc_patch_spec *patch;
+    /* 1: captured tensors stay in buffers of the backend's CUDA device (copied device to device;
+     * attention rows that a patch computed on the host are uploaded), checked against the
+     * capture budget in GPU memory; QC_ERR_VALUE on a backend other than CUDA. 0: host memory */
+    int capture_device;
 } qc_eval_request;
 
 typedef struct {
@@ -108,8 +119,8 @@ typedef struct {
 
 /* Everything that can be wrong with req, checked before any allocation or work: ids against
  * n_vocab, the context against max_ctx (QC_ERR_RANGE), attn_rows, the sampler state, and the
- * host memory of its captures and logits against the capture budget (QC_ERR_NOMEM, with the
- * size). qc_session_eval runs it first; callers may run it before they allocate the logits. */
+ * host memory of its captures and logits (and the GPU memory of device captures) against the
+ * capture budget (QC_ERR_NOMEM, with the size). qc_session_eval runs it first; callers may run it before they allocate the logits. */
 int qc_session_check(const qc_session *s, const qc_eval_request *req, qc_error *err);
 
 /* Run req and advance the position by n (the session is unchanged on error). A draw that finds

@@ -96,7 +96,7 @@ PyMODINIT_FUNC PyInit__core(void) {
                       "A GGUF file is not a model qwencuda can run (architecture, shapes, types).") < 0 ||
         add_exception(m, &qc_CudaError, "qwencuda.CudaError", PyExc_RuntimeError,
                       "A CUDA or cuBLAS call failed (the message names the call).") < 0 ||
-        qc_py_add_gguf(m) < 0 || qc_py_add_quants(m) < 0 || qc_py_add_model(m) < 0 || qc_py_add_sampler(m) < 0 ||
+        qc_py_add_gguf(m) < 0 || qc_py_add_quants(m) < 0 || qc_py_add_model(m) < 0 || qc_py_add_devarray(m) < 0 || qc_py_add_sampler(m) < 0 ||
         qc_py_add_tokenizer(m) < 0 || qc_py_add_kernels(m) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -30,6 +30,11 @@ gguf_file *qc_py_gguf_borrow(PyObject *obj, PyObject **owner);
 struct qc_sampler;
 struct qc_sampler *qc_py_sampler_of(PyObject *obj);
 
+/* A qwencuda._core.DeviceArray that owns the device buffer of a capture kept on the GPU
+ * (t->on_device; py_devarray.c); t->data becomes NULL. NULL with an exception set, t unchanged. */
+struct qc_tensor_out;
+PyObject *qc_py_devarray_take(struct qc_tensor_out *t);
+
 /* Raise the Python exception that matches err->kind; always returns NULL. */
 PyObject *qc_py_raise(const qc_error *err);
 
@@ -38,6 +43,7 @@ PyObject *qc_py_raise(const qc_error *err);
 int qc_py_add_gguf(PyObject *m);       /* py_gguf.c: GGUFFile */
 int qc_py_add_quants(PyObject *m);     /* py_quants.c: dequantize, type table */
 int qc_py_add_model(PyObject *m);      /* py_model.c: Model, Session */
+int qc_py_add_devarray(PyObject *m);   /* py_devarray.c: DeviceArray, device_arrays_alive */
 int qc_py_add_sampler(PyObject *m);    /* py_sampler.c: Sampler, sample */
 int qc_py_add_tokenizer(PyObject *m);  /* py_tokenizer.c: Tokenizer */
 int qc_py_add_kernels(PyObject *m);    /* py_kernels.c: kernel_* functions */

@@ -251,15 +251,17 @@ done:
     return rc;
 }
 
-/* eval(ids, logits="last", capture=None, sampler=None, attn_rows=None, patch=None)
- *   -> (start, logits | None, argmax | None, {name: array}, token | None)
+/* eval(ids, logits="last", capture=None, sampler=None, attn_rows=None, patch=None,
+ *      capture_device=False) -> (start, logits | None, argmax | None, {name: array}, token | None)
  * logits: "all" (a row per token), "last" (one row) or None (none downloaded; no lm_head at all
  * unless a sampler draws). sampler: a Sampler whose draw from the last row runs on the backend.
  * attn_rows: the query rows (0 .. n-1, increasing) whose attn_scores / attn_probs are captured.
  * patch: None or (names, hook): the tensors named (capture names or globs) go through
- * hook(name, value) -> new value or None (see call_patch). */
+ * hook(name, value) -> new value or None (see call_patch).
+ * capture_device: True keeps the captured tensors on the CUDA device, as DeviceArray objects
+ * (py_devarray.c) instead of NumPy arrays; a ValueError on another backend (the session's check). */
 static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"ids", "logits", "capture", "sampler", "attn_rows", "patch", NULL};
+    static char *kwlist[] = {"ids", "logits", "capture", "sampler", "attn_rows", "patch", "capture_device", NULL};
     PyObject *ids_obj = NULL, *logits_obj = Py_None, *capture = Py_None, *sampler_obj = Py_None;
     PyObject *rows_obj = Py_None, *patch_obj = Py_None, *patch_names = Py_None, *hook = NULL, *patch_seq = NULL;
     const char **patch_pats = NULL;
@@ -269,12 +271,12 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
     PyObject *seq = NULL, *logits = NULL, *argmax = NULL, *tensors = NULL, *result = NULL;
     const char **pats = NULL;
     int32_t *ids = NULL, *attn_rows = NULL;
-    int n = 0, n_pats = 0, n_rows = 0, all_logits = 0, want_logits = 1, rc, start;
+    int n = 0, n_pats = 0, n_rows = 0, all_logits = 0, want_logits = 1, rc, start, capture_device = 0;
     qc_eval_result res = {0};
     qc_error err = {0};
     res.drawn.token = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOO:eval", kwlist, &ids_obj, &logits_obj, &capture,
-                                     &sampler_obj, &rows_obj, &patch_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOOOOp:eval", kwlist, &ids_obj, &logits_obj, &capture,
+                                     &sampler_obj, &rows_obj, &patch_obj, &capture_device))
         return NULL;
     if (patch_obj != Py_None) {
         if (!PyArg_ParseTuple(patch_obj, "OO:patch", &patch_names, &hook)) return NULL;
@@ -318,7 +320,7 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
     qc_capture_spec spec = {pats, n_pats};
     qc_patch_spec patch = {patch_pats, n_patch, call_patch, hook};
     qc_eval_request req = {ids, n, all_logits, want_logits, n_pats ? &spec : NULL, attn_rows, n_rows, sample,
-                           n_patch ? &patch : NULL};
+                           n_patch ? &patch : NULL, capture_device};
     ModelObject *mo = so->model;
     qc_session *s = so->s;
     /* the budget and every argument before the logits are allocated (a refused eval allocates
@@ -352,9 +354,10 @@ static PyObject *Session_eval(SessionObject *so, PyObject *args, PyObject *kwds)
     if (sampler) qc_sampler_set_rng(sampler, res.drawn.rng);
     if ((tensors = PyDict_New()) == NULL) goto fail;
     for (int i = 0; i < res.capture.n; i++) {
-        PyObject *arr = capture_array(&res.capture.items[i]);
+        qc_tensor_out *t = &res.capture.items[i];
+        PyObject *arr = t->on_device ? qc_py_devarray_take(t) : capture_array(t);
         if (arr == NULL) goto fail;
-        rc = PyDict_SetItemString(tensors, res.capture.items[i].name, arr);
+        rc = PyDict_SetItemString(tensors, t->name, arr);
         Py_DECREF(arr);
         if (rc < 0) goto fail;
     }
@@ -497,10 +500,11 @@ static PyObject *Session_get_closed(SessionObject *so, void *closure) {
 
 static PyMethodDef Session_methods[] = {
     {"eval", (PyCFunction)(void (*)(void))Session_eval, METH_VARARGS | METH_KEYWORDS,
-     "eval(ids, logits='last', capture=None, sampler=None, attn_rows=None) -> (start, logits, argmax, "
-     "tensors, token): run ids at the current position and advance it. logits 'all', 'last' or None; "
-     "capture: glob patterns; sampler: a Sampler that draws the next token on the backend (token, else "
-     "None); attn_rows: query rows whose attention scores/probabilities are captured (None: all)."},
+     "eval(ids, logits='last', capture=None, sampler=None, attn_rows=None, patch=None, capture_device=False) "
+     "-> (start, logits, argmax, tensors, token): run ids at the current position and advance it. logits "
+     "'all', 'last' or None; capture: glob patterns; sampler: a Sampler that draws the next token on the "
+     "backend (token, else None); attn_rows: query rows whose attention scores/probabilities are captured "
+     "(None: all); capture_device: True keeps the captures on the CUDA device (DeviceArray)."},
     {"reset", (PyCFunction)Session_reset, METH_NOARGS, "reset(): back to position 0."},
     {"rewind", (PyCFunction)Session_rewind, METH_O, "rewind(n): forget the last n tokens."},
     {"close", (PyCFunction)Session_close, METH_NOARGS, "close(): free the KV cache."},
@@ -515,7 +519,8 @@ static PyGetSetDef Session_getset[] = {
     {"prefill_chunk", (getter)Session_get_chunk, (setter)Session_set_chunk,
      "most tokens per forward pass: longer evals run in chunks of this many", NULL},
     {"capture_budget", (getter)Session_get_budget, (setter)Session_set_budget,
-     "bytes of host memory one eval's captures and logits may take (set None: half of MemAvailable)", NULL},
+     "bytes of host memory one eval's captures and logits may take, and of GPU memory its device captures "
+     "may take (set None: half of MemAvailable, and half of the GPU's free memory)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
