@@ -48,6 +48,7 @@ _LAZY = {
     "Session": ("model", "Session"),
     "set_capture_budget": ("model", "set_capture_budget"),
     "Trace": ("trace", "Trace"),
+    "DeviceArray": ("trace", "DeviceArray"),
     "TokenLogprobs": ("generation", "TokenLogprobs"),
     "capture_names": ("trace", "capture_names"),
     "Tokenizer": ("tokenizer", "Tokenizer"),

@@ -157,7 +157,7 @@ class _Plan:
     eog: frozenset
     progress: bool
     logprobs: int = None              # top-k of TokenLogprobs, or None: no logits come back
-    evals: dict = field(default_factory=dict)   # capture= and patch= for every prefill/step call
+    evals: dict = field(default_factory=dict)   # capture=, patch=, capture_device= for every call
 
 
 def _eog_ids(tok) -> frozenset:
@@ -243,13 +243,21 @@ def _check_patch(model, patch):
     return patch
 
 
+def _check_capture_device(model, capture_device):
+    """capture_device -> whether captures stay on the GPU, by the check Session.prefill makes."""
+    from .model import _capture_device
+
+    return _capture_device(capture_device, model.device)
+
+
 def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repeat_penalty,
           repeat_last_n, seed, stop, allow_special, chat, system, progress, max_context,
-          capture=None, logprobs=None, patch=None) -> _Plan:
+          capture=None, logprobs=None, patch=None, capture_device="cpu") -> _Plan:
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     logprobs = _check_logprobs(logprobs, model.config.n_vocab)
     patterns = _check_capture(model, capture)
+    on_device = _check_capture_device(model, capture_device)
     patch = _check_patch(model, patch)
     sampler_kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
@@ -273,7 +281,9 @@ def _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repea
         sampler_kwargs=sampler_kwargs,
         stops=stops, eog=_eog_ids(model.tokenizer), progress=bool(progress),
         logprobs=logprobs,
-        evals={k: v for k, v in (("capture", patterns), ("patch", patch)) if v is not None},
+        evals={k: v for k, v in (("capture", patterns), ("patch", patch),
+                                 ("capture_device", capture_device if on_device and patterns else None))
+               if v is not None},
     )
 
 
@@ -404,7 +414,7 @@ def _run(model, plan, stream_obj):
 def generate(model, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
              repeat_penalty=1.0, seed=0, stop=None, stream=False, allow_special=True, chat=False,
              system=None, progress=False, max_context=None, repeat_last_n=64, capture=None,
-             logprobs=None, patch=None):
+             logprobs=None, patch=None, capture_device="cpu"):
     """Generate text after a prompt with a qwencuda Model.
 
     prompt: a str (tokenized with special tokens recognised when allow_special) or a list of
@@ -419,14 +429,17 @@ def generate(model, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=
     the tokens drawn; without them no logits leave the device. patch: {capture name or glob:
     edit} as Session.prefill takes it (qwencuda.patching), applied in every call: the prompt's
     prefill and each step (rows count within the call); the tokens are drawn from the patched
-    logits, and logprobs and traces show the patched run.
+    logits, and logprobs and traces show the patched run. capture_device: "cpu" (NumPy
+    captures, default) or "cuda": the traces' captured tensors stay in GPU memory as
+    qwencuda.DeviceArray objects (as Session.prefill takes it; ValueError on the CPU).
 
     Returns a Generation, or with stream=True a GenerationStream of text pieces whose
     `.result` is the Generation after the last piece. Bad arguments and prompts that do not
     fit raise ValueError at call time, before any work (also with stream=True)."""
     plan = _plan(model, prompt, max_new_tokens, temperature, top_k, top_p, min_p,
                  repeat_penalty, repeat_last_n, seed, stop, allow_special, chat, system,
-                 progress, max_context, capture=capture, logprobs=logprobs, patch=patch)
+                 progress, max_context, capture=capture, logprobs=logprobs, patch=patch,
+                 capture_device=capture_device)
     it = GenerationStream(lambda stream: _run(model, plan, stream),
                           logprobs=plan.logprobs is not None, traces=bool(plan.evals.get("capture")))
     if stream:

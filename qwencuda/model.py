@@ -9,6 +9,7 @@ checks capture patterns against the capture names, and wraps results in Traces.
 """
 import fnmatch
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,8 +27,9 @@ _capture_budget = None
 def set_capture_budget(nbytes):
     """Bytes of host memory one eval may fill with captures and logits before it raises
     MemoryError (nothing allocated, nothing run), for sessions made from now on (Model.forward's
-    too). None restores the default: half of the memory the system has available at the time of
-    each eval."""
+    too); the same number bounds, on its own, the GPU memory of captures kept on the device
+    (capture_device="cuda"). None restores the default: half of the memory the system has
+    available at the time of each eval, and half of the GPU's free memory for device captures."""
     global _capture_budget
     if nbytes is not None:
         if isinstance(nbytes, bool) or int(nbytes) != nbytes or nbytes < 1:
@@ -43,6 +45,30 @@ def _kv_type(kv_type, device):
     if kv_type not in ("f16", "f32"):
         raise ValueError(f"kv_type must be 'f16', 'f32' or None, got {kv_type!r}")
     return kv_type
+
+
+def _device_ordinal(device):
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+def _capture_device(capture_device, device):
+    """capture_device ("cpu", the default, or "cuda" / "cuda:N") for a model on `device` -> True
+    when the captures stay in the model's GPU memory (qwencuda.DeviceArray), False for NumPy."""
+    if capture_device is None or (isinstance(capture_device, str) and capture_device == "cpu"):
+        return False
+    if not isinstance(capture_device, str):
+        raise TypeError(f"capture_device must be 'cpu' or 'cuda' (a str), not {type(capture_device).__name__}")
+    if capture_device != "cuda" and not re.fullmatch(r"cuda:\d+", capture_device):
+        raise ValueError(f"capture_device must be 'cpu' (NumPy arrays, the default) or 'cuda' / 'cuda:N' "
+                         f"(the model's GPU), got {capture_device!r}")
+    if not device.startswith("cuda"):
+        raise ValueError(f"capture_device={capture_device!r} keeps captures in GPU memory, but this model "
+                         f"runs on {device}: its captures are NumPy arrays (capture_device='cpu')")
+    # "cuda" is the model's GPU, whichever it is; "cuda:N" must name it
+    if capture_device != "cuda" and _device_ordinal(capture_device) != _device_ordinal(device):
+        raise ValueError(f"capture_device={capture_device!r}: captures stay on the GPU of the model, "
+                         f"{device}; copy them to another one in torch or CuPy")
+    return True
 
 
 def _attn_rows(attn_rows, n):
@@ -171,15 +197,18 @@ class Session:
 
     @property
     def capture_budget(self) -> int:
-        """Bytes of host memory one eval's captures and logits may take (MemoryError beyond it).
-        Set a number of bytes, or None for the default (half of the available memory)."""
+        """Bytes of host memory one eval's captures and logits may take (MemoryError beyond it),
+        and, on its own, of GPU memory its device captures may take (capture_device="cuda").
+        Set a number of bytes, or None for the default (half of the available memory; for device
+        captures half of the GPU's free memory). Reading it gives the host figure."""
         return self._core().capture_budget
 
     @capture_budget.setter
     def capture_budget(self, nbytes):
         self._core().capture_budget = nbytes
 
-    def prefill(self, ids, capture=None, logits="last", sampler=None, attn_rows=None, patch=None) -> Trace:
+    def prefill(self, ids, capture=None, logits="last", sampler=None, attn_rows=None, patch=None,
+                capture_device="cpu") -> Trace:
         """Run ids at positions position .. position + n - 1 and advance the position.
 
         logits: "last" (one row, default), "all" (a row per token) or None (none handed back;
@@ -195,10 +224,14 @@ class Session:
         patch: {capture name or glob: edit} changes tensors mid-forward (qwencuda.patching:
         an array, Replace / Add / Scale / ZeroHeads, or a function of the tensor); what comes
         after reads the patched values. No cost when None.
-        Captures and logits that would take more host memory than capture_budget raise
-        MemoryError before anything is allocated or run."""
+        capture_device: "cpu" (default): captures are NumPy arrays in host memory; "cuda": they
+        stay in the GPU memory of a CUDA model as qwencuda.DeviceArray objects (DLPack and
+        __cuda_array_interface__ for torch / CuPy, .numpy() for a host copy). ValueError on the CPU.
+        Captures and logits that would take more host memory than capture_budget (device captures:
+        more GPU memory) raise MemoryError before anything is allocated or run."""
         s = self._core()
         a = _ids(ids)
+        on_device = _capture_device(capture_device, self._model.device)
         pats = _patterns(capture, self._model.capture_names())
         core_sampler = None
         if sampler is not None:
@@ -208,7 +241,7 @@ class Session:
         rows = _attn_rows(attn_rows, a.size)
         names, hook = patching.as_hook(patch, self._model.capture_names(), self._model.config.n_head)
         start, lg, am, tensors, token = s.eval(a, logits, pats, core_sampler, rows,
-                                               None if names is None else (names, hook))
+                                               None if names is None else (names, hook), on_device)
         n = a.size
         positions = np.arange(start, start + n, dtype=np.int32)
         logit_positions = None
@@ -218,17 +251,18 @@ class Session:
                      positions=positions, logit_positions=logit_positions,
                      source=self._model.device.split(":")[0], token=token, kv_type=s.kv_type)
 
-    def step(self, token, capture=None, logits="last", sampler=None, patch=None) -> Trace:
+    def step(self, token, capture=None, logits="last", sampler=None, patch=None, capture_device="cpu") -> Trace:
         """Run one token; the Trace holds the logits of its position (logits="last") or not
-        (None), and with a sampler the next token drawn on the device (see prefill). patch: as
-        in prefill (a patched step runs op by op, not as the recorded CUDA graph)."""
+        (None), and with a sampler the next token drawn on the device (see prefill). patch and
+        capture_device: as in prefill (a patched step runs op by op, not as the recorded CUDA
+        graph)."""
         if isinstance(token, (list, tuple, np.ndarray)) and np.size(token) != 1:
             raise ValueError("step() takes one token; use prefill() for several")
         if logits not in ("last", None):
             raise ValueError(f"step() logits must be 'last' or None, got {logits!r}")
         # prefill checks the id as forward does (a float is a TypeError, not truncated)
         return self.prefill(np.asarray(token).reshape(1), capture=capture, logits=logits,
-                            sampler=sampler, patch=patch)
+                            sampler=sampler, patch=patch, capture_device=capture_device)
 
     def reset(self):
         """Empty the cache (position 0)."""
@@ -334,12 +368,15 @@ class Model:
             raise ValueError(f"max_context must be an int >= 1, got {max_context!r}")
         return Session(self, int(max_context), kv_type=kv_type, prefill_chunk=prefill_chunk)
 
-    def forward(self, ids, capture=None, logits="all", kv_type=None, attn_rows=None, patch=None) -> Trace:
-        """One pass over ids from position 0 (a fresh KV cache) -> Trace. kv_type, attn_rows and
-        patch as in session() and Session.prefill()."""
+    def forward(self, ids, capture=None, logits="all", kv_type=None, attn_rows=None, patch=None,
+                capture_device="cpu") -> Trace:
+        """One pass over ids from position 0 (a fresh KV cache) -> Trace. kv_type, attn_rows,
+        patch and capture_device as in session() and Session.prefill()."""
         a = _ids(ids)
+        _capture_device(capture_device, self.device)   # before the session's KV cache is made
         with self.session(max_context=a.size, kv_type=kv_type) as s:
-            return s.prefill(a, capture=capture, logits=logits, attn_rows=attn_rows, patch=patch)
+            return s.prefill(a, capture=capture, logits=logits, attn_rows=attn_rows, patch=patch,
+                             capture_device=capture_device)
 
     def generate(self, *args, **kwargs):
         """Generate text; see qwencuda.generation.generate."""

@@ -14,6 +14,11 @@ import numpy as np
 
 from . import _core
 
+# A captured tensor kept in GPU memory (capture_device="cuda"): shape, dtype, nbytes, device,
+# __dlpack__ / __cuda_array_interface__ for torch and CuPy, numpy() for a host copy
+# (csrc/python/py_devarray.c).
+DeviceArray = _core.DeviceArray
+
 # Keys of the .npz that hold the Trace's own fields (capture names never start with "__").
 _META = ("ids", "positions", "logits", "argmax", "logit_positions", "source", "kv_type")
 
@@ -44,7 +49,8 @@ class Trace:
     """The tensors, logits and argmax choices of one forward pass.
 
     Fields:
-      tensors          dict name -> ndarray, in forward order (only what was captured)
+      tensors          dict name -> ndarray, in forward order (only what was captured); with
+                       capture_device="cuda", name -> DeviceArray (GPU memory)
       logits           (rows, n_vocab) float32, or None when the pass made none
       argmax           (rows,) int32 (the first maximum of each logits row), or None
       ids              (n,) int32, the tokens of the pass
@@ -117,7 +123,8 @@ class Trace:
     # ---- persistence ----
     def save(self, path):
         """Write the trace to an .npz file (tensors under their names; the fields under
-        __ids__, __positions__, __logits__, __argmax__, __logit_positions__, __source__)."""
+        __ids__, __positions__, __logits__, __argmax__, __logit_positions__, __source__).
+        DeviceArrays are copied to the host to be written."""
         arrays = {}
         for name, value in self.tensors.items():
             if name.startswith("__"):
@@ -159,6 +166,10 @@ class Trace:
             lines.append(f"  argmax (last {min(8, len(self.argmax))}): {shown}")
         width = max((len(n) for n in self.tensors), default=0)
         for name, value in self.tensors.items():
-            a = np.asarray(value)
-            lines.append(f"  {name:<{width}}  {str(a.dtype):<7} {tuple(a.shape)}")
+            where = ""
+            if isinstance(value, DeviceArray):   # described, not copied to the host
+                where = f"  on {value.device}"
+            else:
+                value = np.asarray(value)
+            lines.append(f"  {name:<{width}}  {str(value.dtype):<7} {tuple(value.shape)}{where}")
         return "\n".join(lines)
