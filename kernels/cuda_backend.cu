@@ -255,7 +255,7 @@ extern "C" int qc_cuda_device_count(void) {
     return n;
 }
 
-extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *err) {
+extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **out, qc_error *err) {
     qc_backend *be = NULL;
     qc_cuda *cu = NULL;
     int count = 0;
@@ -286,6 +286,7 @@ extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *er
     be->device = device;
     be->threads = 1;
     be->impl = cu;
+    cu->gemv_q8 = !float_gemv;
 
 #define QC_CREATE_CHECK(call)                                                                    \
     if ((e = (call)) != cudaSuccess) {                                                          \
@@ -310,8 +311,7 @@ extern "C" int qc_cuda_backend_create(int device, qc_backend **out, qc_error *er
     {
         const char *decode = getenv("QWENCUDA_DECODE_ATTENTION");
         cu->flash_decode = !(decode && strcmp(decode, "split") == 0);
-        const char *gemv = getenv("QWENCUDA_GEMV");
-        cu->gemv_q8 = !(gemv && strcmp(gemv, "float") == 0);
+
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

@@ -120,6 +120,21 @@ __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t block
     qc_q8_quantize_block(x[32 * b + lane], lane, qs + 32 * b, ds + b);
 }
 
+/* One row x normalised (qc_norm_row_to_shared: rmsnorm's bits) and quantized: every block
+ * normalises the whole row in shared memory (cheap, and the same bits in each) and quantizes
+ * its QC_GEMV_WARPS blocks of 32, one per warp. Many blocks, so the decode's fused norm costs
+ * about a launch, not a pass of every GEMV block over the row. */
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
+qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict__ norm_w, int cols,
+                           float eps, int8_t *qs, float2 *ds) {
+    __shared__ float xs[QC_NORM_FUSE_MAX_COLS];
+    __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    qc_norm_row_to_shared(x, norm_w, cols, eps, xs, norm_tmp);
+    const int lane = threadIdx.x & 31;
+    const int b = blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    if (b < cols / 32) qc_q8_quantize_block(xs[32 * b + lane], lane, qs + 32 * b, ds + b);
+}
+
 int qc_cuda_gemv_q8(qc_backend *be, uint32_t type, int64_t cols) {
     return qc_cuda_of(be)->gemv_q8 && qc_q8_type(type) && cols % 32 == 0 && cols <= QC_Q8X_MAX_COLS;
 }
@@ -135,6 +150,19 @@ int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_
     qc_quantize_q8_kernel<<<(unsigned)((blocks + warps - 1) / warps), 32 * warps, 0, cu->stream>>>(x, blocks, qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
     return QC_LAUNCHED(be, "qc_quantize_q8_kernel");
+}
+
+int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w, int64_t cols,
+                             float eps, qc_q8x *out) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (cols % 32 != 0 || cols > QC_NORM_FUSE_MAX_COLS)
+        return qc_cuda_value_error(be, "norm_quantize_q8: %lld columns", (long long)cols);
+    int8_t *qs = (int8_t *)cu->q8x;
+    float2 *ds = (float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(1, cols));
+    const unsigned blocks = (unsigned)((cols / 32 + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS);
+    qc_norm_quantize_q8_kernel<<<blocks, 32 * QC_GEMV_WARPS, 0, cu->stream>>>(x, norm_w, (int)cols, eps, qs, ds);
+    *out = qc_q8x{qs, ds, cols, cols / 32};
+    return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
 }
 
 template <int T, int S>

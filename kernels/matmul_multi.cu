@@ -12,8 +12,8 @@
  * attention norm costs no launch; other evals normalise into a scratch buffer first.
  *
  * A weight with an 8-bit GEMV (qc_gemv_q8.cuh) gets qc_gemv_q8_row_any's dot products, on x
- * quantized to 8 bits: by each block after its fused norm (in shared memory), else once into
- * the backend's buffer (qc_cuda_quantize_q8), as matmul does; the others the float ones.
+ * normalised and quantized to 8 bits once into the backend's buffer (qc_cuda_norm_quantize_q8,
+ * qc_cuda_quantize_q8), as matmul does; the others the float ones.
  *
  * Prefill (n > QC_GEMV_MAX_TOKENS): the matmul op, once per weight (cuBLAS).
  */
@@ -44,17 +44,8 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
     /* one normalised token row (decode); NT > 1 launches never get a norm weight */
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
-    __shared__ __align__(16) int8_t q8_qs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 16];
-    __shared__ float2 q8_ds[NT == 1 ? QC_NORM_FUSE_MAX_COLS / 32 : 1];
-    qc_q8x xv = xq;
     if constexpr (NT == 1) {
-        if (norm_w) {
-            qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
-            if (parts.any_q8) {
-                qc_q8_quantize_shared(xs, (int)cols, q8_qs, q8_ds);
-                xv = qc_q8x{q8_qs, q8_ds, cols, cols / 32};
-            }
-        }
+        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
     }
     /* the part of this block: the last whose first block is <= blockIdx.x (an unrolled loop:
      * constant indices, so the parameter array is not copied to local memory) */
@@ -67,7 +58,7 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
     const int t0 = blockIdx.y * NT;
     if (r >= p.rows) return;   /* whole warps leave together: the shuffles stay full */
     float acc[NT];
-    if (p.q8) qc_gemv_q8_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, xv, n, t0, lane, acc);
+    if (p.q8) qc_gemv_q8_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, xq, n, t0, lane, acc);
     else if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(p.type, p.W + r * p.row_bytes, cols, xs, n, t0, lane, acc);
     else qc_gemv_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, x, n, t0, lane, acc);
     if (lane != 0) return;
@@ -121,9 +112,16 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
     launch.n_parts = n_parts;
     if (blocks == 0) return 0;
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n)), block(32 * QC_GEMV_WARPS);
-    /* the 8-bit parts' x: quantized by each block after the fused norm, else once here */
+    /* the 8-bit parts' x, quantized once here (after the norm); the blocks normalise in shared
+     * memory only for float parts */
     qc_q8x xq = {};
-    if (launch.any_q8 && !(norm_w && n == 1) && qc_cuda_quantize_q8(be, x, n, cols, &xq) < 0) return -1;
+    if (launch.any_q8) {
+        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, cols, eps, &xq) : qc_cuda_quantize_q8(be, x, n, cols, &xq)) < 0)
+            return -1;
+        int all_q8 = 1;
+        for (int i = 0; i < n_parts; i++) all_q8 &= launch.part[i].q8;
+        if (all_q8) norm_w = NULL;
+    }
     switch (qc_gemv_tokens_per_block(n)) {
     case 1: qc_gemv_multi_kernel<1><<<grid, block, 0, cu->stream>>>(launch, cols, x, xq, n, norm_w, eps); break;
     case 2: qc_gemv_multi_kernel<2><<<grid, block, 0, cu->stream>>>(launch, cols, x, xq, n, NULL, eps); break;

@@ -74,8 +74,8 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
 }
 
 /* The same where gate or up has an 8-bit GEMV (qc_gemv_q8.cuh; both of one type: in one loop),
- * on xq (global, n tokens) or, with norm_w (NT = 1), x normalised and quantized in shared
- * memory; a weight of another type takes the float GEMV, as in matmul. The launcher checks
+ * on xq (x normalised and quantized by the launcher); a weight of another type takes the float
+ * GEMV on x (normalised in shared memory with norm_w), as in matmul. The launcher checks
  * qc_cuda_gemv_q8, so qc_q8_type here says the same. */
 template <int NT>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
@@ -85,15 +85,9 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_bytes,
                          int n, const float *__restrict__ norm_w, float eps, float *__restrict__ act) {
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
-    __shared__ __align__(16) int8_t q8_qs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 16];
-    __shared__ float2 q8_ds[NT == 1 ? QC_NORM_FUSE_MAX_COLS / 32 : 1];
-    qc_q8x xv = xq;
+    const qc_q8x &xv = xq;
     if constexpr (NT == 1) {
-        if (norm_w) {
-            qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
-            qc_q8_quantize_shared(xs, (int)cols, q8_qs, q8_ds);
-            xv = qc_q8x{q8_qs, q8_ds, cols, cols / 32};
-        }
+        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
     }
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
@@ -198,8 +192,12 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n));
     if (qc_cuda_gemv_q8(be, w_gate->type, w_gate->cols) || qc_cuda_gemv_q8(be, w_up->type, w_up->cols)) {
         qc_q8x xq = {};
-        if (!(norm_w && n == 1) && qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq) < 0) return -1;
-        launch_swiglu_q8(w_gate, w_up, x, xq, n, norm_w, eps, act, grid, cu->stream);
+        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq)
+                    : qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq)) < 0)
+            return -1;
+        /* the blocks normalise in shared memory only for a float-GEMV weight */
+        const int both_q8 = qc_q8_type(w_gate->type) && qc_q8_type(w_up->type);
+        launch_swiglu_q8(w_gate, w_up, x, xq, n, both_q8 ? NULL : norm_w, eps, act, grid, cu->stream);
         return QC_LAUNCHED(be, "qc_gemv_q8_swiglu_kernel");
     }
     if (w_gate->type != w_up->type) {

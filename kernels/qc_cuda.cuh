@@ -45,7 +45,7 @@ typedef struct qc_cuda {
      * at creation, to compare) */
     int flash_decode;
     /* the decode GEMV of the 8-bit formats on 8-bit activations (1, qc_gemv_q8.cuh), or the
-     * float GEMV everywhere (0: QWENCUDA_GEMV=float at creation); q8x holds the quantized
+     * float GEMV everywhere (0: device "cuda:float"); q8x holds the quantized
      * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */
     int gemv_q8;
     void *q8x;

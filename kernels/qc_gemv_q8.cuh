@@ -10,11 +10,12 @@
  *
  * The activations are quantized exactly as the CPU's fast kernels do (csrc/cpu/cpu_simd.h,
  * qc_q8_quantize_ref: per block of 32, d = max|x| / 127, q = x / d rounded to nearest even,
- * s = d * sum(q)), by qc_q8_quantize_block below, whether into global memory (matmul.cu's
- * qc_cuda_quantize_q8, for the matmul's x) or into a block's shared memory after the fused
- * norm: both give the same bytes, so the fused ops equal their unfused sequences bit for bit.
+ * s = d * sum(q)), by qc_q8_quantize_block below, into the backend's buffer once per op
+ * (matmul.cu: qc_cuda_quantize_q8, or qc_cuda_norm_quantize_q8 after the fused ops' norm, with
+ * rmsnorm's bits): the fused ops equal their unfused sequences bit for bit.
  * The error is the CPU's: each x[i] moves by at most max|x_block| / 254 (tests/test_kernels.py
- * checks that bound). QWENCUDA_GEMV=float at backend creation keeps the float GEMV.
+ * checks that bound). Device "cuda:float" (or "cuda:N:float") keeps the float GEMV: the exact
+ * path, as "cpu:float" is the CPU's.
  *
  * Layout of quantized activations (qc_q8x): qs, n rows of cols int8 (a row of 32 is 16-byte
  * aligned), and ds, n rows of cols / 32 float2 (d, s).
@@ -44,14 +45,6 @@ __device__ __forceinline__ void qc_q8_quantize_block(float v, int lane, int8_t *
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     qs[lane] = (int8_t)q;
     if (lane == 0) *ds = make_float2(d, __fmul_rn(d, (float)sum));
-}
-
-/* cols values of xs (shared) quantized into xq / xd (shared) by the block's warps; every thread
- * calls it (it ends with a barrier). */
-__device__ __forceinline__ void qc_q8_quantize_shared(const float *xs, int cols, int8_t *xq, float2 *xd) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int b = warp; b < cols / 32; b += warps) qc_q8_quantize_block(xs[32 * b + lane], lane, xq + 32 * b, xd + b);
-    __syncthreads();
 }
 
 /* ---- loads ---------------------------------------------------------------------------- */
@@ -349,6 +342,10 @@ static inline size_t qc_q8x_bytes(int n, int64_t cols) {
     return qc_q8x_qs_bytes(n, cols) + (size_t)n * (size_t)(cols / 32) * sizeof(float2);
 }
 int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_q8x *out);
+/* The same for one row normalised first (the fused ops' norm of a decode step: rmsnorm's bits),
+ * cols <= QC_NORM_FUSE_MAX_COLS. */
+int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w, int64_t cols,
+                             float eps, qc_q8x *out);
 /* Whether matmuls of weight type `type` and `cols` columns take the 8-bit GEMV on this backend. */
 int qc_cuda_gemv_q8(qc_backend *be, uint32_t type, int64_t cols);
 

@@ -10,8 +10,11 @@ must have -inf at the same places, and are compared on their finite values):
 Real-size checks (0.5B shapes: greedy tokens equal to the CPU engine's, or the first difference
 is a near-tie) need the GPU machine; so do the memory and error checks.
 
-These are the exact paths: CUDA with an F32 KV cache (kv_type="f32") and the CPU's float32
-reference kernels (device "cpu:float"). The F16 cache and flash attention (CUDA's default) and the
+These are the exact paths: CUDA with an F32 KV cache (kv_type="f32") and its float GEMV
+(device "cuda:float"), and the CPU's float32 reference kernels (device "cpu:float"). The 8-bit
+GEMV of CUDA's default ("cuda": activations quantized as the CPU's fast kernels do) is checked
+against the reference at test_engine_vs_reference.py's 8-bit tolerances
+(test_q8_gemv_engine_matches_reference, below). The F16 cache and flash attention (CUDA's default) and the
 CPU's 8-bit-activation kernels (its default) have tests of their own with their own tolerances
 (test_long_context.py, test_kernels.py).
 """
@@ -82,7 +85,7 @@ def _tol(weight_type, n):
 def test_three_engines_tiny(synth_dir, weight_type, n):
     path = synth(synth_dir, "tiny", weight_type)
     ids = _ids(n, 400, seed=n)
-    with qwencuda.Model(path, device="cuda") as mc, qwencuda.Model(path, device="cpu:float") as mp:
+    with qwencuda.Model(path, device="cuda:float") as mc, qwencuda.Model(path, device="cpu:float") as mp:
         tc = mc.forward(ids, capture="*", logits="all", kv_type="f32")
         tp = mp.forward(ids, capture="*", logits="all")
     tr = qwencuda.reference.forward(path, ids, capture="*", logits="all")
@@ -92,6 +95,38 @@ def test_three_engines_tiny(synth_dir, weight_type, n):
     assert tc["argmax"].dtype == np.int32
 
 
+# the 8-bit tolerances of tests/test_engine_vs_reference.py (its docstring says why)
+Q8_RTOL = 4e-2
+Q8_ATOL = 5e-2
+
+
+@pytest.mark.parametrize("weight_type", ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "q4_k_m"])
+@pytest.mark.parametrize("config", ["tiny", "tiny-gqa7", "tiny-hd128"])
+def test_q8_gemv_engine_matches_reference(synth_dir, config, weight_type):
+    """CUDA's default ("cuda": the 8-bit GEMV, kernels/qc_gemv_q8.cuh) evaluated token by token
+    (every matmul on 8-bit activations) against the reference: logits within the CPU 8-bit
+    path's bounds, argmax equal where the top-two gap is clear; and the float GEMV
+    ("cuda:float") on the same steps, which must be closer."""
+    path = synth(synth_dir, config, weight_type)
+    n_vocab = testing.CONFIGS[config]["n_vocab"]
+    ids = _ids(12, n_vocab, seed=11)
+    want = qwencuda.reference.forward(path, ids, logits="all").logits
+    got = {}
+    for dev in ("cuda", "cuda:float"):
+        with qwencuda.Model(path, device=dev) as m, m.session(max_context=16, kv_type="f32") as s:
+            rows = [s.prefill(ids[:1]).logits[-1]] + [s.step(int(t)).logits[0] for t in ids[1:]]
+            got[dev] = np.array(rows)
+    rel = np.linalg.norm(got["cuda"] - want) / np.linalg.norm(want)
+    absn = norm_err(got["cuda"], want)
+    assert rel <= Q8_RTOL and absn <= Q8_ATOL, (config, weight_type, rel, absn)
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) >= 0.5
+    np.testing.assert_array_equal(got["cuda"].argmax(-1)[clear], want.argmax(-1)[clear])
+    assert norm_err(got["cuda:float"], want) <= FP32_TOL
+    # the 8-bit path really ran: its error is that of 8-bit activations, far above fp32's
+    assert absn > 10 * norm_err(got["cuda:float"], want), (absn, norm_err(got["cuda:float"], want))
+
+
 @pytest.mark.parametrize("weight_type", ["f32", "q8_0", "q4_k_m"])
 @pytest.mark.parametrize("config", ["tiny-gqa1", "tiny-gqa7", "tiny-hd64", "tiny-hd128", "tiny-oddvocab"])
 def test_three_engines_shapes(synth_dir, config, weight_type):
@@ -99,7 +134,7 @@ def test_three_engines_shapes(synth_dir, config, weight_type):
     n_vocab = testing.CONFIGS[config]["n_vocab"]
     for n in (3, 12):
         ids = _ids(n, n_vocab, seed=n)
-        with qwencuda.Model(path, device="cuda") as mc:
+        with qwencuda.Model(path, device="cuda:float") as mc:
             tc = mc.forward(ids, capture="*", logits="all", kv_type="f32")
         with qwencuda.Model(path, device="cpu:float") as mp:
             tp = mp.forward(ids, capture="*", logits="all")
@@ -116,7 +151,7 @@ def test_decode_steps_match_cpu(synth_dir, weight_type):
     ids = _ids(14, 400, seed=3)
     traces = {}
     for dev in ("cuda", "cpu"):
-        with qwencuda.Model(path, device=dev if dev == "cuda" else "cpu:float") as m, \
+        with qwencuda.Model(path, device=dev + ":float") as m, \
                 m.session(max_context=64, kv_type="f32") as s:
             out = [s.prefill(ids[:6], capture="blk.*", logits="last")]
             for t in ids[6:]:
@@ -173,7 +208,7 @@ def test_qwen05b_greedy_matches_cpu(synth_dir, weight_type, record_property):
     difference is a near-tie of the CPU's own logits (both logits reported)."""
     path = synth(synth_dir, "qwen2.5-0.5b", weight_type)
     prompt = _ids(128, 151936, seed=5)
-    tc, lc = _greedy(path, "cuda", prompt, 64)
+    tc, lc = _greedy(path, "cuda:float", prompt, 64)
     tp, lp = _greedy(path, "cpu:float", prompt, 64)   # the CPU's float32 reference kernels
     record_property("tokens_equal", tc == tp)      # lands in the junit report of gpu_check.sh
     if tc != tp:
@@ -192,7 +227,7 @@ def test_qwen05b_greedy_matches_cpu(synth_dir, weight_type, record_property):
 def test_real_model_greedy_matches_cpu(real_model_path):
     prompt = qwencuda.Model(real_model_path, device="cpu").tokenizer.encode(
         "Write a haiku about GPUs.\n")
-    tc, lc = _greedy(real_model_path, "cuda", prompt, 32)
+    tc, lc = _greedy(real_model_path, "cuda:float", prompt, 32)
     tp, lp = _greedy(real_model_path, "cpu:float", prompt, 32)
     if tc != tp:
         i = next(k for k in range(len(tc)) if tc[k] != tp[k])

@@ -22,8 +22,6 @@ Shapes are odd on purpose (1, 3, 17, 130 rows or tokens; non-square weights; tok
 of the GEMV / cuBLAS switch at 8) so that the cuBLAS row/column-major mapping and every tail path
 are exercised.
 """
-import os
-
 import numpy as np
 import pytest
 
@@ -100,10 +98,12 @@ def _f16_path(device, type_name, n):
     return device.startswith("cuda") and n > K.GEMV_MAX_TOKENS and type_name not in ("F32", "BF16")
 
 
-@pytest.fixture(params=["cpu", "cpu:float", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["cpu", "cpu:float", pytest.param("cuda", marks=pytest.mark.gpu),
+                        pytest.param("cuda:float", marks=pytest.mark.gpu)])
 def device(request):
     """Every backend: the CPU's fast kernels ("cpu"), its float32 reference ops ("cpu:float"),
-    CUDA (skips without a GPU)."""
+    CUDA with its 8-bit GEMV ("cuda") and with the float GEMV everywhere ("cuda:float"); the
+    CUDA ones skip without a GPU."""
     return request.param
 
 
@@ -112,10 +112,9 @@ Q8_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 
 def _q8_path(device, type_name, n):
     """Whether this matmul runs with 8-bit activations: the CPU's fast kernels, and the CUDA GEMV
-    of those types (kernels/qc_gemv_q8.cuh: n <= 8 tokens, unless QWENCUDA_GEMV=float)."""
-    if device == "cuda":
-        return (type_name in Q8_TYPES and n <= K.GEMV_MAX_TOKENS
-                and os.environ.get("QWENCUDA_GEMV") != "float")
+    of those types (kernels/qc_gemv_q8.cuh: n <= 8 tokens; "cuda:float" keeps fp32)."""
+    if device.startswith("cuda"):
+        return type_name in Q8_TYPES and n <= K.GEMV_MAX_TOKENS and not device.endswith(":float")
     return (device == "cpu" and type_name in Q8_TYPES
             and "q8 dot products" in qwencuda.build_info()["cpu_kernels"])
 
@@ -656,8 +655,13 @@ def test_cuda_matches_cpu_matmul(type_name):
     w, _ = random_weight(type_name, 130, _default_cols(type_name), seed=18)
     x = np.random.default_rng(19).standard_normal((3, w.shape[1])).astype(np.float32)
     a = K.matmul(w, x, device="cpu:float")   # the float32 reference (the CPU's 8-bit path differs)
-    b = K.matmul(w, x, device="cuda")
+    b = K.matmul(w, x, device="cuda:float")
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+    if _q8_path("cpu", type_name, 3) and _q8_path("cuda", type_name, 3):
+        # both quantize x to the same bytes (csrc/cpu/cpu_simd.h, kernels/qc_gemv_q8.cuh) and sum
+        # exact integer products: only the float scaling and summation orders differ
+        a8, b8 = K.matmul(w, x, device="cpu"), K.matmul(w, x, device="cuda")
+        np.testing.assert_allclose(b8, a8, rtol=1e-4, atol=1e-4 * np.abs(a8).max())
 
 
 @pytest.mark.gpu

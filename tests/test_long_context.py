@@ -139,7 +139,7 @@ def test_f16_cache_logits_close_to_f32(paths, device, config):
     five decode steps. The CPU runs its float32 reference kernels (device "cpu:float")."""
     ids = ids_for(700)
     out = {}
-    with qc.Model(paths(config), device="cpu:float" if device == "cpu" else device) as m:
+    with qc.Model(paths(config), device=device + ":float") as m:
         for kv in ("f32", "f16"):
             s = m.session(max_context=720, kv_type=kv, prefill_chunk=256)
             tr = s.prefill(ids, logits="all")
@@ -298,13 +298,13 @@ def test_flash_prefill_and_decode_match_the_exact_path(paths, config, n_prompt):
     kernel (past QC_KV_SHORT keys), after 700 the split-K kernel."""
     ids = ids_for(n_prompt)
     out = {}
-    for device in ("cpu:float", "cuda"):
+    for device in ("cpu:float", "cuda:float"):
         with qc.Model(paths(config), device=device) as m:
             s = m.session(max_context=n_prompt + 8, kv_type="f16", prefill_chunk=256 if n_prompt < 1000 else 1024)
             tr = s.prefill(ids, logits="all")
             steps = [s.step(t).logits[0] for t in ids[:5]]
             out[device] = (tr.logits, np.array(steps))
-    for a, b in zip(out["cpu:float"], out["cuda"]):
+    for a, b in zip(out["cpu:float"], out["cuda:float"]):
         err = np.abs(b - a).max() / np.abs(a).max()
         assert err < 1e-2, (config, err)
         top2 = np.sort(a, axis=1)[:, -2:]

@@ -33,8 +33,8 @@ def check(got, want, tol, what):
 
 ENGINES = [
     pytest.param("cpu:float", "f32", TOL, id="cpu"),
-    pytest.param("cuda", "f32", FP32_TOL, id="cuda-f32", marks=pytest.mark.gpu),
-    pytest.param("cuda", "f16", F16_TOL, id="cuda-f16", marks=pytest.mark.gpu),
+    pytest.param("cuda:float", "f32", FP32_TOL, id="cuda-f32", marks=pytest.mark.gpu),
+    pytest.param("cuda:float", "f16", F16_TOL, id="cuda-f16", marks=pytest.mark.gpu),
 ]
 
 

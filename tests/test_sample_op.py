@@ -160,13 +160,13 @@ def test_session_sampler_errors(device, tiny_model_path):
 
 def test_generate_same_seed_same_text_cpu_and_cuda(tiny_model_path):
     """generate() draws on the device: with a seed, the CUDA engine writes what the CPU one does
-    (both on their exact paths: an F32 KV cache, the CPU's float32 kernels)."""
+    (both on their exact paths: an F32 KV cache, float32 kernels: "cpu:float", "cuda:float")."""
     if not (qc.build_info()["cuda"] and qc.build_info()["cuda_devices"] > 0):
         pytest.skip("needs a CUDA GPU and a CUDA build")
     kw = dict(max_new_tokens=24, temperature=0.8, top_k=20, top_p=0.9, seed=1234)
     out = {}
     for device in ("cpu", "cuda"):
-        with qc.Model(tiny_model_path, device="cpu:float" if device == "cpu" else device, kv_type="f32") as m:
+        with qc.Model(tiny_model_path, device=device + ":float", kv_type="f32") as m:
             out[device] = m.generate([1, 2, 3, 4], **kw).tokens
     assert out["cpu"] == out["cuda"]
 

@@ -199,7 +199,7 @@ void qc_backend_destroy(qc_backend *be);   /* NULL ok */
 
 int qc_cpu_backend_create(int threads, qc_backend **out, qc_error *err);
 /* Defined only in CUDA builds (QC_HAVE_CUDA); elsewhere qc_backend_create says so. */
-int qc_cuda_backend_create(int device, qc_backend **out, qc_error *err);
+int qc_cuda_backend_create(int device, int float_gemv, qc_backend **out, qc_error *err);
 /* Number of visible CUDA devices; 0 in CPU-only builds or without a driver/GPU. */
 int qc_cuda_device_count(void);
 

@@ -42,9 +42,10 @@ typedef struct {
 
 static cached_backend g_backends[QC_MAX_KERNEL_BACKENDS];
 
-/* "cuda" and "cuda:0" are one device. */
+/* "cuda" and "cuda:0" are one device (and "cuda:float", "cuda:0:float"). */
 static void normalize_device(const char *device, char *out, size_t size) {
     if (strcmp(device, "cuda") == 0) device = "cuda:0";
+    if (strcmp(device, "cuda:float") == 0) device = "cuda:0:float";
     snprintf(out, size, "%s", device);
 }
 
