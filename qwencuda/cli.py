@@ -250,8 +250,9 @@ def _dispatch(module_name, argv):
 def _add_model_args(p):
     p.add_argument("--model", "-m", metavar="FILE",
                    help="GGUF file (default: $QWENCUDA_MODEL, else the default model)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="cuda when built and present (auto), else cpu")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "cpu:float", "cuda:float"), default="auto",
+                   help="cuda when built and present (auto), else cpu; ':float' runs the float "
+                        "kernels everywhere (no 8-bit activations)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
