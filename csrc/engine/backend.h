@@ -193,7 +193,8 @@ struct qc_backend {
     void *impl;               /* backend-private state */
 };
 
-/* device: "cpu", "cuda" or "cuda:N". threads: CPU workers, <= 0 for the machine's cores. */
+/* device: "cpu", "cpu:float", "cuda", "cuda:N", "cuda:float" or "cuda:N:float" (":float": the
+ * float32 kernels everywhere, no 8-bit activations). threads: CPU workers, <= 0 for all cores. */
 int qc_backend_create(const char *device, int threads, qc_backend **out, qc_error *err);
 void qc_backend_destroy(qc_backend *be);   /* NULL ok */
 
