@@ -120,19 +120,19 @@ __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t block
     qc_q8_quantize_block(x[32 * b + lane], lane, qs + 32 * b, ds + b);
 }
 
-/* One row x normalised (qc_norm_row_to_shared: rmsnorm's bits) and quantized: every block
- * normalises the whole row in shared memory (cheap, and the same bits in each) and quantizes
- * its QC_GEMV_WARPS blocks of 32, one per warp. Many blocks, so the decode's fused norm costs
- * about a launch, not a pass of every GEMV block over the row. */
+/* One row x normalised (rmsnorm's bits: qc_norm_row_scale, then x * scale * w) and quantized:
+ * every block computes the row's scale (cheap, and the same bits in each) and normalises and
+ * quantizes its QC_GEMV_WARPS blocks of 32, one per warp. Many blocks, so the decode's fused
+ * norm costs about a launch, not a pass of every GEMV block over the row. */
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict__ norm_w, int cols,
                            float eps, int8_t *qs, float2 *ds) {
-    __shared__ float xs[QC_NORM_FUSE_MAX_COLS];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
-    qc_norm_row_to_shared(x, norm_w, cols, eps, xs, norm_tmp);
+    const float scale = qc_norm_row_scale(x, cols, eps, norm_tmp);
     const int lane = threadIdx.x & 31;
     const int b = blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
-    if (b < cols / 32) qc_q8_quantize_block(xs[32 * b + lane], lane, qs + 32 * b, ds + b);
+    const int i = 32 * b + lane;
+    if (b < cols / 32) qc_q8_quantize_block(x[i] * scale * norm_w[i], lane, qs + 32 * b, ds + b);
 }
 
 int qc_cuda_gemv_q8(qc_backend *be, uint32_t type, int64_t cols) {

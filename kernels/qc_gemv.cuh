@@ -41,9 +41,10 @@ __device__ __forceinline__ void qc_load_x8_shared(const float *xr, int64_t p, in
  * threads' strided fmaf chains are this block's two chains per thread, reduced by the same
  * shuffles, and the eight warp sums are added in the same order. Every thread calls it. */
 #define QC_NORM_ROW_THREADS 256   /* rmsnorm.cu's QC_NORM_THREADS */
-__device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ x,
-                                                      const float *__restrict__ w, int dim,
-                                                      float eps, float *xs, float *warp_sums) {
+/* Its first half: 1 / rms(x), the rmsnorm kernel's value, in every thread; x[i] * scale * w[i]
+ * is then element i, bit for bit (qc_norm_quantize_q8_kernel normalises only its own blocks). */
+__device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, int dim, float eps,
+                                                   float *warp_sums) {
     static_assert(2 * 32 * QC_GEMV_WARPS == QC_NORM_ROW_THREADS, "two rmsnorm threads per thread");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float ss[2] = {0.0f, 0.0f};
@@ -64,8 +65,13 @@ __device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ 
         warp_sums[QC_NORM_ROW_THREADS / 32] = 1.0f / sqrtf(total / (float)dim + eps);
     }
     __syncthreads();
-    const float scale = warp_sums[QC_NORM_ROW_THREADS / 32];
-    for (int i = tid; i < dim; i += 32 * QC_GEMV_WARPS) xs[i] = x[i] * scale * w[i];
+    return warp_sums[QC_NORM_ROW_THREADS / 32];
+}
+__device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ x,
+                                                      const float *__restrict__ w, int dim,
+                                                      float eps, float *xs, float *warp_sums) {
+    const float scale = qc_norm_row_scale(x, dim, eps, warp_sums);
+    for (int i = threadIdx.x; i < dim; i += 32 * QC_GEMV_WARPS) xs[i] = x[i] * scale * w[i];
     __syncthreads();
 }
 /* Widest row that the GEMV kernels normalise in shared memory (decode); wider ones, and evals
