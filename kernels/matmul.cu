@@ -31,11 +31,12 @@
  * dealt to the block's warps in turn and the warps' sums added in warp order.
  * out = residual + (x W^T + bias), each term where its pointer is not NULL. residual may alias
  * out (matmul_add on the residual stream): each element is read, then written, by one lane, so
- * neither of the two is __restrict__. */
-template <int T, int NT, int S>
+ * neither of the two is __restrict__. Q8: the dot products on 8-bit activations xq
+ * (qc_gemv_q8.cuh), else on x. */
+template <int T, int NT, int S, bool Q8>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
-               const float *__restrict__ x, int n, const float *__restrict__ bias,
+               const float *__restrict__ x, const qc_q8x xq, int n, const float *__restrict__ bias,
                const float *residual, float *out) {
     static_assert(S == 1 || S == QC_GEMV_WARPS, "a split row takes the whole block");
     __shared__ float slice_sum[S > 1 ? S : 1][NT];
@@ -44,49 +45,9 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     const int t0 = blockIdx.y * NT;
     if (r >= rows) return;   /* whole warps (S = 1) or the whole block (S > 1) leave together */
     float acc[NT];
-    if (S == 1) {
-        qc_gemv_row<T, NT>(W + r * row_bytes, cols, x, n, t0, lane, acc);
-    } else {
-        qc_gemv_row_slice<T, NT>(W + r * row_bytes, cols, x, n, t0, lane + 32 * warp, 32 * S, acc);
-        if (lane == 0) {
-#pragma unroll
-            for (int j = 0; j < NT; j++) slice_sum[warp][j] = acc[j];
-        }
-        __syncthreads();
-        if (warp != 0) return;
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            acc[j] = slice_sum[0][j];
-#pragma unroll
-            for (int w = 1; w < S; w++) acc[j] += slice_sum[w][j];
-        }
-    }
-    if (lane != 0) return;
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        if (t0 + j < n) {
-            const int64_t at = (int64_t)(t0 + j) * rows + r;
-            const float v = bias ? acc[j] + bias[r] : acc[j];
-            /* residual + v: the add op's operands, so matmul_add gives matmul-then-add's bits */
-            out[at] = residual ? residual[at] + v : v;
-        }
-    }
-}
-
-/* The same on 8-bit activations (qc_gemv_q8.cuh), for the types of qc_q8_type. */
-template <int T, int NT, int S>
-__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
-qc_gemv_q8_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
-                  const qc_q8x x, int n, const float *__restrict__ bias, const float *residual,
-                  float *out) {
-    static_assert(S == 1 || S == QC_GEMV_WARPS, "a split row takes the whole block");
-    __shared__ float slice_sum[S > 1 ? S : 1][NT];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t r = S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS + warp : (int64_t)blockIdx.x;
-    const int t0 = blockIdx.y * NT;
-    if (r >= rows) return;
-    float acc[NT];
-    qc_gemv_q8_row_slice<T, NT>(W + r * row_bytes, cols, x, n, t0, lane + 32 * warp * (S > 1), 32 * S, acc);
+    const int64_t first = S == 1 ? lane : lane + 32 * warp;
+    if constexpr (Q8) qc_gemv_q8_row_slice<T, NT>(W + r * row_bytes, cols, xq, n, t0, first, 32 * S, acc);
+    else qc_gemv_row_slice<T, NT>(W + r * row_bytes, cols, x, n, t0, first, 32 * S, acc);
     if (S > 1) {
         if (lane == 0) {
 #pragma unroll
@@ -107,6 +68,7 @@ qc_gemv_q8_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows
         if (t0 + j < n) {
             const int64_t at = (int64_t)(t0 + j) * rows + r;
             const float v = bias ? acc[j] + bias[r] : acc[j];
+            /* residual + v: the add op's operands, so matmul_add gives matmul-then-add's bits */
             out[at] = residual ? residual[at] + v : v;
         }
     }
@@ -165,58 +127,28 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
 }
 
-template <int T, int S>
-static void launch_gemv_q8_s(const qc_weight *w, const float *bias, const qc_q8x &x, int n,
-                             const float *residual, float *out, cudaStream_t st) {
+template <int T, int S, bool Q8>
+static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
+                          int n, const float *residual, float *out, cudaStream_t st) {
     const int64_t rb = qc_row_bytes_t<T>(w->cols);
     const int64_t rows_per_block = QC_GEMV_WARPS / S;
     const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
     const dim3 block(32 * QC_GEMV_WARPS);
     const uint8_t *W = (const uint8_t *)w->data;
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_q8_kernel<T, 1, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out); break;
-    case 2: qc_gemv_q8_kernel<T, 2, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out); break;
-    case 4: qc_gemv_q8_kernel<T, 4, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out); break;
-    default: qc_gemv_q8_kernel<T, 8, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out); break;
+    case 1: qc_gemv_kernel<T, 1, S, Q8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, xq, n, bias, residual, out); break;
+    case 2: qc_gemv_kernel<T, 2, S, Q8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, xq, n, bias, residual, out); break;
+    case 4: qc_gemv_kernel<T, 4, S, Q8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, xq, n, bias, residual, out); break;
+    default: qc_gemv_kernel<T, 8, S, Q8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, xq, n, bias, residual, out); break;
     }
 }
 
-template <int T>
-static void launch_gemv_q8(const qc_weight *w, const float *bias, const qc_q8x &x, int n,
-                           const float *residual, float *out, cudaStream_t st) {
-    if (qc_gemv_split(w->cols) > 1) launch_gemv_q8_s<T, QC_GEMV_WARPS>(w, bias, x, n, residual, out, st);
-    else launch_gemv_q8_s<T, 1>(w, bias, x, n, residual, out, st);
-}
-
-template <int T, int S>
-static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x, int n,
-                          const float *residual, float *out, cudaStream_t st) {
-    const int64_t rb = qc_row_bytes_t<T>(w->cols);
-    const int64_t rows_per_block = QC_GEMV_WARPS / S;
-    const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
-    const dim3 block(32 * QC_GEMV_WARPS);
-    const uint8_t *W = (const uint8_t *)w->data;
-    switch (qc_gemv_tokens_per_block(n)) {
-    case 1:
-        qc_gemv_kernel<T, 1, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
-        break;
-    case 2:
-        qc_gemv_kernel<T, 2, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
-        break;
-    case 4:
-        qc_gemv_kernel<T, 4, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
-        break;
-    default:
-        qc_gemv_kernel<T, 8, S><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, n, bias, residual, out);
-        break;
-    }
-}
-
-template <int T>
-static void launch_gemv(const qc_weight *w, const float *bias, const float *x, int n,
+/* Q8: x quantized in xq (qc_gemv_q8.cuh; the types of QC_Q8_FOR_EACH_TYPE only). */
+template <int T, bool Q8>
+static void launch_gemv(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq, int n,
                         const float *residual, float *out, cudaStream_t st) {
-    if (qc_gemv_split(w->cols) > 1) launch_gemv_s<T, QC_GEMV_WARPS>(w, bias, x, n, residual, out, st);
-    else launch_gemv_s<T, 1>(w, bias, x, n, residual, out, st);
+    if (qc_gemv_split(w->cols) > 1) launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, st);
+    else launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, st);
 }
 
 /* out[n][rows] (ldc = rows, starting at row r0) = X[n][cols] @ A^T for A (m, cols); with
@@ -293,18 +225,18 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
     const int64_t rows_per_block = QC_GEMV_WARPS / qc_gemv_split(w->cols);
     if ((w->rows + rows_per_block - 1) / rows_per_block > INT32_MAX)
         return qc_cuda_value_error(be, "matmul: %lld rows is too many", (long long)w->rows);
+    qc_q8x xq = {};
     if (qc_cuda_gemv_q8(be, w->type, w->cols)) {
-        qc_q8x xq;
         if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0) return -1;
         switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv_q8<T>(w, bias, xq, n, residual, out, cu->stream); break;
+#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, cu->stream); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
         }
-        return QC_LAUNCHED(be, "qc_gemv_q8_kernel");
+        return QC_LAUNCHED(be, "qc_gemv_kernel");
     }
     switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T>(w, bias, x, n, residual, out, cu->stream); break;
+#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, cu->stream); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }

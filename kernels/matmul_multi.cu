@@ -58,9 +58,8 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
     const int t0 = blockIdx.y * NT;
     if (r >= p.rows) return;   /* whole warps leave together: the shuffles stay full */
     float acc[NT];
-    if (p.q8) qc_gemv_q8_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, xq, n, t0, lane, acc);
-    else if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(p.type, p.W + r * p.row_bytes, cols, xs, n, t0, lane, acc);
-    else qc_gemv_row_any<NT>(p.type, p.W + r * p.row_bytes, cols, x, n, t0, lane, acc);
+    qc_gemv_row_either<NT>(p.q8, p.type, p.W + r * p.row_bytes, cols, xq, NT == 1 && norm_w ? xs : NULL, x,
+                           n, t0, lane, acc);
     if (lane != 0) return;
 #pragma unroll
     for (int j = 0; j < NT; j++)

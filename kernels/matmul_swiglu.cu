@@ -8,8 +8,9 @@
  * type that is the same for the whole grid. The dot products are qc_gemv_row's and the SwiGLU is
  * qc_silu_mul, so act equals matmul, matmul, swiglu bit for bit.
  *
- * A norm weight is applied as in matmul_multi.cu (in shared memory for a decode launch), and
- * so are 8-bit activations where both weights have an 8-bit GEMV (qc_gemv_q8.cuh).
+ * A norm weight and 8-bit activations (qc_gemv_q8.cuh) are applied as in matmul_multi.cu: a
+ * weight with an 8-bit GEMV reads x normalised and quantized once by the launcher, a float one
+ * x normalised in shared memory (decode) or in a scratch buffer.
  *
  * Prefill (n > QC_GEMV_MAX_TOKENS): those three ops, with gate in act and up in a backend
  * scratch buffer (grown outside the decode path, like matmul's).
@@ -42,14 +43,35 @@ qc_gemv_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict_
         if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
 }
 
-/* The same for a gate and an up weight of different types. */
+/* The same with 8-bit activations (qc_gemv_q8.cuh; x normalised and quantized by the launcher
+ * into xq), for gate and up of one 8-bit type. */
+template <int T, int NT>
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
+qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu,
+                         int64_t row_bytes, int64_t rows, int64_t cols, const qc_q8x xq, int n,
+                         float *__restrict__ act) {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * NT;
+    if (r >= rows) return;
+    float g[NT], u[NT];
+    qc_gemv_q8_row2<T, NT>(Wg + r * row_bytes, Wu + r * row_bytes, cols, xq, n, t0, lane, g, u);
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+}
+
+/* A gate and an up weight of different types, one row after the other, each with its own GEMV
+ * (qc_gemv_row_either: 8-bit on xq where gate_q8 / up_q8, else float on x, normalised in shared
+ * memory with norm_w). */
 template <int NT>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
-qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_bytes,
-                            uint32_t gate_type, const uint8_t *__restrict__ Wu,
-                            int64_t up_row_bytes, uint32_t up_type, int64_t rows, int64_t cols,
-                            const float *__restrict__ x, int n, const float *__restrict__ norm_w,
-                            float eps, float *__restrict__ act) {
+qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_bytes, uint32_t gate_type,
+                            int gate_q8, const uint8_t *__restrict__ Wu, int64_t up_row_bytes,
+                            uint32_t up_type, int up_q8, int64_t rows, int64_t cols,
+                            const float *__restrict__ x, const qc_q8x xq, int n,
+                            const float *__restrict__ norm_w, float eps, float *__restrict__ act) {
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
     if constexpr (NT == 1) {
@@ -59,77 +81,28 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
     const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * NT;
     if (r >= rows) return;
+    const float *xsn = NT == 1 && norm_w ? xs : NULL;
     float g[NT], u[NT];
-    if (NT == 1 && norm_w) {
-        qc_gemv_row_any<NT, true>(gate_type, Wg + r * gate_row_bytes, cols, xs, n, t0, lane, g);
-        qc_gemv_row_any<NT, true>(up_type, Wu + r * up_row_bytes, cols, xs, n, t0, lane, u);
-    } else {
-        qc_gemv_row_any<NT>(gate_type, Wg + r * gate_row_bytes, cols, x, n, t0, lane, g);
-        qc_gemv_row_any<NT>(up_type, Wu + r * up_row_bytes, cols, x, n, t0, lane, u);
-    }
+    qc_gemv_row_either<NT>(gate_q8, gate_type, Wg + r * gate_row_bytes, cols, xq, xsn, x, n, t0, lane, g);
+    qc_gemv_row_either<NT>(up_q8, up_type, Wu + r * up_row_bytes, cols, xq, xsn, x, n, t0, lane, u);
     if (lane != 0) return;
 #pragma unroll
     for (int j = 0; j < NT; j++)
         if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
 }
 
-/* The same where gate or up has an 8-bit GEMV (qc_gemv_q8.cuh; both of one type: in one loop),
- * on xq (x normalised and quantized by the launcher); a weight of another type takes the float
- * GEMV on x (normalised in shared memory with norm_w), as in matmul. The launcher checks
- * qc_cuda_gemv_q8, so qc_q8_type here says the same. */
-template <int NT>
-__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
-qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_bytes, uint32_t gate_type,
-                         const uint8_t *__restrict__ Wu, int64_t up_row_bytes, uint32_t up_type,
-                         int64_t rows, int64_t cols, const float *__restrict__ x, const qc_q8x xq,
-                         int n, const float *__restrict__ norm_w, float eps, float *__restrict__ act) {
-    __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
-    __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
-    const qc_q8x &xv = xq;
-    if constexpr (NT == 1) {
-        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
-    }
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
-    const int t0 = blockIdx.y * NT;
-    if (r >= rows) return;
-    float g[NT], u[NT];
-    const bool gq8 = qc_q8_type(gate_type), uq8 = qc_q8_type(up_type);
-    if (gate_type == up_type) {
-        switch (gate_type) {
-#define QC_CASE_(T) case T: qc_gemv_q8_row2<T, NT>(Wg + r * gate_row_bytes, Wu + r * up_row_bytes, cols, xv, n, t0, lane, g, u); break;
-            QC_Q8_FOR_EACH_TYPE(QC_CASE_)
-#undef QC_CASE_
-        }
-    } else {
-        /* one of them may be a float-GEMV type: its dot products are the matmul's float ones */
-        const uint8_t *rg = Wg + r * gate_row_bytes, *ru = Wu + r * up_row_bytes;
-        if (gq8) qc_gemv_q8_row_any<NT>(gate_type, rg, cols, xv, n, t0, lane, g);
-        else if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(gate_type, rg, cols, xs, n, t0, lane, g);
-        else qc_gemv_row_any<NT>(gate_type, rg, cols, x, n, t0, lane, g);
-        if (uq8) qc_gemv_q8_row_any<NT>(up_type, ru, cols, xv, n, t0, lane, u);
-        else if (NT == 1 && norm_w) qc_gemv_row_any<NT, true>(up_type, ru, cols, xs, n, t0, lane, u);
-        else qc_gemv_row_any<NT>(up_type, ru, cols, x, n, t0, lane, u);
-    }
-    if (lane != 0) return;
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
-}
-
-static void launch_swiglu_q8(const qc_weight *w_gate, const qc_weight *w_up, const float *x,
-                             const qc_q8x &xq, int n, const float *nw, float eps, float *act,
-                             dim3 grid, cudaStream_t st) {
-    const int64_t cols = w_gate->cols, rows = w_gate->rows;
-    const int64_t grb = qc_row_bytes(w_gate->type, cols), urb = qc_row_bytes(w_up->type, cols);
+template <int T>
+static void launch_swiglu_q8(const qc_weight *w_gate, const qc_weight *w_up, const qc_q8x &xq, int n,
+                             float *act, dim3 grid, cudaStream_t st) {
+    const int64_t rb = qc_row_bytes_t<T>(w_gate->cols);
     const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
-    const uint32_t gt = w_gate->type, ut = w_up->type;
     const dim3 block(32 * QC_GEMV_WARPS);
+    const int64_t rows = w_gate->rows, cols = w_gate->cols;
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_q8_swiglu_kernel<1><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, xq, n, nw, eps, act); break;
-    case 2: qc_gemv_q8_swiglu_kernel<2><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, xq, n, NULL, eps, act); break;
-    case 4: qc_gemv_q8_swiglu_kernel<4><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, xq, n, NULL, eps, act); break;
-    default: qc_gemv_q8_swiglu_kernel<8><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, xq, n, NULL, eps, act); break;
+    case 1: qc_gemv_q8_swiglu_kernel<T, 1><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, xq, n, act); break;
+    case 2: qc_gemv_q8_swiglu_kernel<T, 2><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, xq, n, act); break;
+    case 4: qc_gemv_q8_swiglu_kernel<T, 4><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, xq, n, act); break;
+    default: qc_gemv_q8_swiglu_kernel<T, 8><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, xq, n, act); break;
     }
 }
 
@@ -148,19 +121,19 @@ static void launch_swiglu(const qc_weight *w_gate, const qc_weight *w_up, const 
     }
 }
 
-static void launch_swiglu_mixed(const qc_weight *w_gate, const qc_weight *w_up, const float *x,
-                                int n, const float *nw, float eps, float *act, dim3 grid,
-                                cudaStream_t st) {
+static void launch_swiglu_mixed(const qc_weight *w_gate, int gate_q8, const qc_weight *w_up, int up_q8,
+                                const float *x, const qc_q8x &xq, int n, const float *nw, float eps,
+                                float *act, dim3 grid, cudaStream_t st) {
     const int64_t cols = w_gate->cols, rows = w_gate->rows;
     const int64_t grb = qc_row_bytes(w_gate->type, cols), urb = qc_row_bytes(w_up->type, cols);
     const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
     const uint32_t gt = w_gate->type, ut = w_up->type;
     const dim3 block(32 * QC_GEMV_WARPS);
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_swiglu_mixed_kernel<1><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, nw, eps, act); break;
-    case 2: qc_gemv_swiglu_mixed_kernel<2><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, NULL, eps, act); break;
-    case 4: qc_gemv_swiglu_mixed_kernel<4><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, NULL, eps, act); break;
-    default: qc_gemv_swiglu_mixed_kernel<8><<<grid, block, 0, st>>>(Wg, grb, gt, Wu, urb, ut, rows, cols, x, n, NULL, eps, act); break;
+    case 1: qc_gemv_swiglu_mixed_kernel<1><<<grid, block, 0, st>>>(Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, nw, eps, act); break;
+    case 2: qc_gemv_swiglu_mixed_kernel<2><<<grid, block, 0, st>>>(Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, NULL, eps, act); break;
+    case 4: qc_gemv_swiglu_mixed_kernel<4><<<grid, block, 0, st>>>(Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, NULL, eps, act); break;
+    default: qc_gemv_swiglu_mixed_kernel<8><<<grid, block, 0, st>>>(Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, NULL, eps, act); break;
     }
 }
 
@@ -190,19 +163,28 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     if (blocks > INT32_MAX)
         return qc_cuda_value_error(be, "matmul_swiglu: %lld rows is too many", (long long)rows);
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n));
-    if (qc_cuda_gemv_q8(be, w_gate->type, w_gate->cols) || qc_cuda_gemv_q8(be, w_up->type, w_up->cols)) {
-        qc_q8x xq = {};
+    /* the 8-bit weights' x, normalised and quantized once here; the blocks normalise in shared
+     * memory only for a float-GEMV weight */
+    const int gate_q8 = qc_cuda_gemv_q8(be, w_gate->type, w_gate->cols);
+    const int up_q8 = qc_cuda_gemv_q8(be, w_up->type, w_up->cols);
+    qc_q8x xq = {};
+    if (gate_q8 || up_q8) {
         if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq)
                     : qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq)) < 0)
             return -1;
-        /* the blocks normalise in shared memory only for a float-GEMV weight */
-        const int both_q8 = qc_q8_type(w_gate->type) && qc_q8_type(w_up->type);
-        launch_swiglu_q8(w_gate, w_up, x, xq, n, both_q8 ? NULL : norm_w, eps, act, grid, cu->stream);
-        return QC_LAUNCHED(be, "qc_gemv_q8_swiglu_kernel");
+        if (gate_q8 && up_q8) norm_w = NULL;
     }
     if (w_gate->type != w_up->type) {
-        launch_swiglu_mixed(w_gate, w_up, x, n, norm_w, eps, act, grid, cu->stream);
+        launch_swiglu_mixed(w_gate, gate_q8, w_up, up_q8, x, xq, n, norm_w, eps, act, grid, cu->stream);
         return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");
+    }
+    if (gate_q8) {
+        switch (w_gate->type) {
+#define QC_CASE_(T) case T: launch_swiglu_q8<T>(w_gate, w_up, xq, n, act, grid, cu->stream); break;
+            QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+        }
+        return QC_LAUNCHED(be, "qc_gemv_q8_swiglu_kernel");
     }
     switch (w_gate->type) {
 #define QC_CASE_(T) case T: launch_swiglu<T>(w_gate, w_up, x, n, norm_w, eps, act, grid, cu->stream); break;

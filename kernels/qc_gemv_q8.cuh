@@ -77,13 +77,29 @@ __device__ __forceinline__ void qc_q8_x(const int8_t *qs, int64_t b, int (&x)[8]
 /* bit i of b (i < 4) to bit 4 of byte i: the fifth bit of four Q5_0 weights */
 __device__ __forceinline__ int qc_spread4(uint32_t b) { return (int)(((b * 0x00204081u) & 0x01010101u) << 4); }
 
+/* The 32-element formats' last step: acc[j] += d * d_x * dot(w, x block b) for the tokens
+ * t0 + j < n, w the block's 32 weights as signed bytes (Q8_0, Q4_0, Q5_0). */
+template <int NT>
+__device__ __forceinline__ void qc_q8_dot32(const int (&w)[8], float d, int64_t b, const qc_q8x &x, int n,
+                                            int t0, float (&acc)[NT]) {
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        if (t0 + j >= n) break;
+        int xv[8];
+        qc_q8_x(x.qs + (t0 + j) * x.qs_stride, b, xv);
+        int s = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) s = __dp4a(w[k], xv[k], s);
+        acc[j] += d * x.ds[(t0 + j) * x.ds_stride + b].x * (float)s;
+    }
+}
+
 /* ---- one unit: acc[j] += dot(elements [UNIT u, UNIT u + UNIT) of the row, token t0 + j) ----
  * qc_q8_unit<T>::run, for the tokens t0 + j < n; UNIT = 32 (one activation block) or 64. */
-template <int T> struct qc_q8_unit { static constexpr bool OK = false; static constexpr int UNIT = 32; };
+template <int T> struct qc_q8_unit;
 
 /* Q8_0 (34 bytes): x = d * q */
 template <> struct qc_q8_unit<QC_TYPE_Q8_0> {
-    static constexpr bool OK = true;
     static constexpr int UNIT = 32;
     template <int NT>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
@@ -91,22 +107,12 @@ template <> struct qc_q8_unit<QC_TYPE_Q8_0> {
         int w[8];
         qc_ld_words<8>(b + offsetof(qc_block_q8_0, qs), w);
         const float d = qc_ldh(b + offsetof(qc_block_q8_0, d));
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            if (t0 + j >= n) break;
-            int xv[8];
-            qc_q8_x(x.qs + (t0 + j) * x.qs_stride, u, xv);
-            int s = 0;
-#pragma unroll
-            for (int k = 0; k < 8; k++) s = __dp4a(w[k], xv[k], s);
-            acc[j] += d * x.ds[(t0 + j) * x.ds_stride + u].x * (float)s;
-        }
+        qc_q8_dot32<NT>(w, d, u, x, n, t0, acc);
     }
 };
 
 /* Q4_0 (18 bytes): x = d * (q - 8); element e < 16 is the low nibble of qs[e], e + 16 the high */
 template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
-    static constexpr bool OK = true;
     static constexpr int UNIT = 32;
     template <int NT>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
@@ -119,22 +125,12 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
             w[k] = (int)__vsub4((uint32_t)q[k] & 0x0F0F0F0Fu, 0x08080808u);
             w[k + 4] = (int)__vsub4(((uint32_t)q[k] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
         }
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            if (t0 + j >= n) break;
-            int xv[8];
-            qc_q8_x(x.qs + (t0 + j) * x.qs_stride, u, xv);
-            int s = 0;
-#pragma unroll
-            for (int k = 0; k < 8; k++) s = __dp4a(w[k], xv[k], s);
-            acc[j] += d * x.ds[(t0 + j) * x.ds_stride + u].x * (float)s;
-        }
+        qc_q8_dot32<NT>(w, d, u, x, n, t0, acc);
     }
 };
 
 /* Q5_0 (22 bytes): x = d * (q - 16), bit 4 of element e is bit e of qh */
 template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
-    static constexpr bool OK = true;
     static constexpr int UNIT = 32;
     template <int NT>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
@@ -150,16 +146,7 @@ template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
             w[k] = (int)__vsub4((q & 0x0F0F0F0Fu) | qc_spread4((qh >> (4 * k)) & 15u), 0x10101010u);
             w[k + 4] = (int)__vsub4(((q >> 4) & 0x0F0F0F0Fu) | qc_spread4((qh >> (16 + 4 * k)) & 15u), 0x10101010u);
         }
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            if (t0 + j >= n) break;
-            int xv[8];
-            qc_q8_x(x.qs + (t0 + j) * x.qs_stride, u, xv);
-            int s = 0;
-#pragma unroll
-            for (int k = 0; k < 8; k++) s = __dp4a(w[k], xv[k], s);
-            acc[j] += d * x.ds[(t0 + j) * x.ds_stride + u].x * (float)s;
-        }
+        qc_q8_dot32<NT>(w, d, u, x, n, t0, acc);
     }
 };
 
@@ -167,7 +154,6 @@ template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
  * the 64 elements of sub-blocks 2g and 2g + 1, whose weights are the low and the high nibbles of
  * the same 32 bytes qs[32g ..]. The block is 16-byte aligned (144 = 9 * 16): vector loads. */
 template <> struct qc_q8_unit<QC_TYPE_Q4_K> {
-    static constexpr bool OK = true;
     static constexpr int UNIT = 64;
     /* byte i (< 12) of the scales, held in three words */
     __device__ static __forceinline__ uint32_t sbyte(uint32_t s0, uint32_t s1, uint32_t s2, int i) {
@@ -229,7 +215,6 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_K> {
  * of qh[32 h + l] (quants.c). A unit is t = t0 and t0 + 2 of one h: the low and the high
  * nibbles of the same 32 ql bytes, two bit pairs of the same 32 qh bytes. */
 template <> struct qc_q8_unit<QC_TYPE_Q6_K> {
-    static constexpr bool OK = true;
     static constexpr int UNIT = 64;
     template <int NT>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
@@ -272,11 +257,18 @@ template <> struct qc_q8_unit<QC_TYPE_Q6_K> {
     }
 };
 
-/* Whether type t has an 8-bit GEMV (host and device). */
-static inline __host__ __device__ bool qc_q8_type(uint32_t t) {
-    return t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0 || t == QC_TYPE_Q4_K || t == QC_TYPE_Q6_K;
-}
+/* The types with an 8-bit GEMV: X(type) for each. */
 #define QC_Q8_FOR_EACH_TYPE(X) X(QC_TYPE_Q4_0) X(QC_TYPE_Q5_0) X(QC_TYPE_Q8_0) X(QC_TYPE_Q4_K) X(QC_TYPE_Q6_K)
+static inline __host__ __device__ bool qc_q8_type(uint32_t t) {
+    switch (t) {
+#define QC_CASE_(T) case T:
+        QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+        return true;
+    default:
+        return false;
+    }
+}
 
 /* ---- rows ------------------------------------------------------------------------------ */
 
@@ -332,6 +324,19 @@ __device__ __forceinline__ void qc_gemv_q8_row_any(uint32_t type, const uint8_t 
     }
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[j] = 0.0f;   /* unreachable: launchers check qc_q8_type */
+}
+
+/* One row of a weight whose GEMV is chosen per weight (the fused ops mix types): the 8-bit dot
+ * products on xq where q8, else the float ones on xs (x normalised in shared memory, when not
+ * NULL) or x. */
+template <int NT>
+__device__ __forceinline__ void qc_gemv_row_either(bool q8, uint32_t type, const uint8_t *__restrict__ row,
+                                                   int64_t cols, const qc_q8x &xq, const float *xs,
+                                                   const float *__restrict__ x, int n, int t0, int lane,
+                                                   float (&acc)[NT]) {
+    if (q8) qc_gemv_q8_row_any<NT>(type, row, cols, xq, n, t0, lane, acc);
+    else if (xs) qc_gemv_row_any<NT, true>(type, row, cols, xs, n, t0, lane, acc);
+    else qc_gemv_row_any<NT>(type, row, cols, x, n, t0, lane, acc);
 }
 
 /* Quantize x (n rows of cols floats, cols a multiple of 32) into the backend's q8 buffer and

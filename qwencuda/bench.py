@@ -123,7 +123,7 @@ def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repe
             "config": {k: getattr(cfg, k) for k in ("n_layer", "dim", "n_head", "n_head_kv", "ffn_dim", "n_vocab")},
             "device": model.device + (":float" if device.endswith(":float") else ""),
             "threads": model._core_model().threads if model.device.startswith("cpu") else None,
-            "cpu_kernels": _core_info().get("cpu_kernels") if model.device == "cpu" else None,
+            "cpu_kernels": _core_info().get("cpu_kernels") if model.device == "cpu" and not str(device).endswith(":float") else None,
             "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "gpu": _gpu_name(model.device),
                         "python": platform.python_version()},
             "commit": _commit(),
