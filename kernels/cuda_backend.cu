@@ -2,7 +2,7 @@
  * cuBLAS handle per backend, memory, weights (uploaded as stored: no float copy of the model),
  * and the ops table whose entries are the launchers of the op files (embed.cu, rmsnorm.cu,
  * matmul.cu, matmul_multi.cu, matmul_swiglu.cu, rope.cu, kv_store.cu, attention.cu, flash_attention.cu,
- * elementwise.cu, argmax.cu, sample.cu).
+ * elementwise.cu, argmax.cu, sample.cu), and the persistent decode kernel (decode_step.cu).
  *
  * Every CUDA/cuBLAS call goes through QC_CUDA / QC_CUBLAS (qc_cuda.cuh), which name the call,
  * the error and the source line in be->err. Non-sticky errors (out of memory, bad arguments) are
@@ -197,6 +197,14 @@ static void cu_recording_free(qc_backend *be, void *recording) {
     if (cudaGraphExecDestroy((cudaGraphExec_t)recording) != cudaSuccess) cudaGetLastError();
 }
 
+static int cu_decode_step_takes(qc_backend *be, const qc_decode_plan *plan, int n_kv) {
+    if (use_device(be) < 0) {
+        be->err.kind = QC_OK;   /* no: the step runs op by op, and reports its own errors */
+        return 0;
+    }
+    return qc_cuda_decode_step_takes(be, plan, n_kv);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* build / destroy */
 
@@ -213,6 +221,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->scratch_norm) cudaFree(cu->scratch_norm);
             if (cu->attn_done) cudaFree(cu->attn_done);
             if (cu->q8x) cudaFree(cu->q8x);
+            if (cu->dec_sync) cudaFree(cu->dec_sync);
             if (cu->blas) cublasDestroy(cu->blas);
             if (cu->stream) cudaStreamDestroy(cu->stream);
         }
@@ -241,6 +250,8 @@ static qc_backend_ops make_cuda_ops(void) {
     ops.record_end = cu_record_end;
     ops.replay = cu_replay;
     ops.recording_free = cu_recording_free;
+    ops.decode_step_takes = cu_decode_step_takes;
+    ops.decode_step = on_device<int(qc_backend *, const qc_decode_plan *)>::run<qc_cuda_decode_step>;
     return ops;
 }
 
@@ -302,6 +313,9 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_done, QC_ATT_PAIRS * sizeof(unsigned int)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->attn_done, 0, QC_ATT_PAIRS * sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
+    QC_CREATE_CHECK(cudaDeviceGetAttribute(&cu->coop_launch, cudaDevAttrCooperativeLaunch, device));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->dec_sync, QC_DEC_SYNC_WORDS * sizeof(unsigned int)));
+    QC_CREATE_CHECK(cudaMemsetAsync(cu->dec_sync, 0, QC_DEC_SYNC_WORDS * sizeof(unsigned int), cu->stream));
 #undef QC_CREATE_CHECK
     if ((bs = cublasCreate(&cu->blas)) != CUBLAS_STATUS_SUCCESS ||
         (bs = cublasSetStream(cu->blas, cu->stream)) != CUBLAS_STATUS_SUCCESS) {

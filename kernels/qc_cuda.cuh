@@ -49,7 +49,14 @@ typedef struct qc_cuda {
      * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */
     int gemv_q8;
     void *q8x;
+    /* the persistent decode kernel (decode_step.cu): whether the device can launch a
+     * cooperative grid, and its counters, zeroed at creation and back to zero after every
+     * launch: the grid barrier (QC_DEC_SYNC_BARRIER) and one per block of 32 act values */
+    int coop_launch;
+    unsigned int *dec_sync;
 } qc_cuda;
+#define QC_DEC_SYNC_BARRIER 2
+#define QC_DEC_SYNC_WORDS (QC_DEC_SYNC_BARRIER + 65536 / 32)
 
 /* Floats of attn_part: 32 splits x 14 heads x (64 + 2) for a 0.5B decode step is 30k; evals that
  * would need more use the one-block-per-head attention kernel. */
@@ -101,6 +108,12 @@ QC_BACKEND_OPS(QC_CUDA_DECLARE)
  * without scores or probabilities, for any n (decode splits the keys over blocks). */
 int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
                             int n, int n_head, int n_head_kv, int head_dim, float *out);
+/* Whether the attention op (without scores) of n tokens over n_kv keys runs the split-K
+ * kernel, as the persistent decode kernel does (attention.cu). */
+int qc_cuda_attention_splits(qc_backend *be, int kv_type, int n, int n_kv, int n_head, int head_dim);
+/* The decode_step and decode_step_takes ops of backend.h (decode_step.cu). */
+int qc_cuda_decode_step_takes(qc_backend *be, const qc_decode_plan *plan, int n_kv);
+int qc_cuda_decode_step(qc_backend *be, const qc_decode_plan *plan);
 /* Once per backend, before any recording: the flash kernels' shared-memory allowance. */
 int qc_cuda_flash_attention_init(qc_backend *be);
 /* Whether qc_cuda_flash_attention takes this head_dim. */

@@ -42,7 +42,10 @@ __device__ __forceinline__ void qc_load_x8_shared(const float *xr, int64_t p, in
  * shuffles, and the eight warp sums are added in the same order. Every thread calls it. */
 #define QC_NORM_ROW_THREADS 256   /* rmsnorm.cu's QC_NORM_THREADS */
 /* Its first half: 1 / rms(x), the rmsnorm kernel's value, in every thread; x[i] * scale * w[i]
- * is then element i, bit for bit (qc_norm_quantize_q8_kernel normalises only its own blocks). */
+ * is then element i, bit for bit (qc_norm_quantize_q8_kernel normalises only its own blocks).
+ * x is in global memory, read through L2 (__ldcg: never a stale L1 line), or with XS in shared
+ * memory (the persistent decode kernel copies it there first). */
+template <bool XS = false>
 __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, int dim, float eps,
                                                    float *warp_sums) {
     static_assert(2 * 32 * QC_GEMV_WARPS == QC_NORM_ROW_THREADS, "two rmsnorm threads per thread");
@@ -50,8 +53,12 @@ __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, 
     float ss[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int h = 0; h < 2; h++)
-        for (int i = tid + h * 32 * QC_GEMV_WARPS; i < dim; i += QC_NORM_ROW_THREADS)
-            ss[h] = fmaf(x[i], x[i], ss[h]);
+        for (int i = tid + h * 32 * QC_GEMV_WARPS; i < dim; i += QC_NORM_ROW_THREADS) {
+            float v;
+            if constexpr (XS) v = x[i];
+            else v = __ldcg(x + i);
+            ss[h] = fmaf(v, v, ss[h]);
+        }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
 #pragma unroll
@@ -123,7 +130,7 @@ __device__ __forceinline__ void qc_gemv_row(const uint8_t *__restrict__ row, int
  * few to keep DRAM busy. Plain matmul and matmul_add use it (matmul.cu); the fused kernels
  * serve rows of dim columns and keep one warp per row. */
 #define QC_GEMV_SPLIT_COLS 2048
-static inline int qc_gemv_split(int64_t cols) { return cols >= QC_GEMV_SPLIT_COLS ? QC_GEMV_WARPS : 1; }
+__host__ __device__ static inline int qc_gemv_split(int64_t cols) { return cols >= QC_GEMV_SPLIT_COLS ? QC_GEMV_WARPS : 1; }
 
 /* qc_gemv_row of two rows of one type (matmul_swiglu's gate and up rows) against the same x, in
  * one loop: twice the loads in flight per warp, and each x part loaded once for both. Each

@@ -31,6 +31,13 @@ struct qc_q8x {
     int64_t qs_stride, ds_stride;    /* per token: cols and cols / 32 */
 };
 
+/* The 8-bit value of x under the block's 1 / d (id): round to nearest even, clamped to +-127
+ * (NaN to 0). */
+__device__ __forceinline__ int qc_q8_round(float v, float id) {
+    const float r = rintf(__fmul_rn(v, id));
+    return r > 127.0f ? 127 : r < -127.0f ? -127 : r == r ? (int)r : 0;
+}
+
 /* Lane `lane` of a warp holds v = x[32 b + lane]: qs[lane] and (lane 0) *ds of that block. */
 __device__ __forceinline__ void qc_q8_quantize_block(float v, int lane, int8_t *qs, float2 *ds) {
     float amax = fabsf(v);
@@ -38,13 +45,33 @@ __device__ __forceinline__ void qc_q8_quantize_block(float v, int lane, int8_t *
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     const float d = __fdiv_rn(amax, 127.0f);
     const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    const float r = rintf(__fmul_rn(v, id));
-    const int q = r > 127.0f ? 127 : r < -127.0f ? -127 : r == r ? (int)r : 0;
+    const int q = qc_q8_round(v, id);
     int sum = q;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     qs[lane] = (int8_t)q;
     if (lane == 0) *ds = make_float2(d, __fmul_rn(d, (float)sum));
+}
+
+/* The same block by 8 lanes (lanes 8g .. 8g + 7 of a warp, `sub` = lane % 8), each holding 4
+ * values v = x[32 b + 4 sub ..]: a warp quantizes four blocks at once, with the same bits (the
+ * max and the integer sum do not depend on the order). */
+__device__ __forceinline__ void qc_q8_quantize_block4(const float (&v)[4], int sub, int8_t *qs, float2 *ds) {
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off, 8));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    int q[4], sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        q[k] = qc_q8_round(v[k], id);
+        sum += q[k];
+    }
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, 8);
+    *(char4 *)(qs + 4 * sub) = make_char4((signed char)q[0], (signed char)q[1], (signed char)q[2], (signed char)q[3]);
+    if (sub == 0) *ds = make_float2(d, __fmul_rn(d, (float)sum));
 }
 
 /* ---- loads ---------------------------------------------------------------------------- */
@@ -313,17 +340,70 @@ __device__ __forceinline__ void qc_gemv_q8_row2(const uint8_t *__restrict__ row_
     }
 }
 
-/* One warp, one row, of a type known at run time (the same for the whole block). */
+/* qc_gemv_q8_row_slice of a type known at run time (the same for the whole warp). */
 template <int NT>
-__device__ __forceinline__ void qc_gemv_q8_row_any(uint32_t type, const uint8_t *__restrict__ row, int64_t cols,
-                                                   const qc_q8x &x, int n, int t0, int lane, float (&acc)[NT]) {
+__device__ __forceinline__ void qc_gemv_q8_slice_any(uint32_t type, const uint8_t *__restrict__ row, int64_t cols,
+                                                     const qc_q8x &x, int n, int t0, int64_t first, int64_t stride,
+                                                     float (&acc)[NT]) {
     switch (type) {
-#define QC_CASE_(T) case T: qc_gemv_q8_row_slice<T, NT>(row, cols, x, n, t0, lane, 32, acc); return;
+#define QC_CASE_(T) case T: qc_gemv_q8_row_slice<T, NT>(row, cols, x, n, t0, first, stride, acc); return;
         QC_Q8_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[j] = 0.0f;   /* unreachable: launchers check qc_q8_type */
+}
+
+/* Four rows of one type against the same x, one token (the persistent decode kernel: gate and
+ * up of two rows, or four lm_head rows): one loop, four rows' loads in flight; each accumulator
+ * gets exactly qc_gemv_q8_row_slice's operations. */
+template <int T>
+__device__ __forceinline__ void qc_gemv_q8_row4(const uint8_t *const (&row)[4], int64_t cols, const qc_q8x &x,
+                                                int lane, float (&acc)[4]) {
+    const int64_t units = cols / qc_q8_unit<T>::UNIT;
+    float a[4][1] = {{0.0f}, {0.0f}, {0.0f}, {0.0f}};
+    for (int64_t u = lane; u < units; u += 32) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) qc_q8_unit<T>::template run<1>(row[k], u, x, 1, 0, a[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) a[k][0] += __shfl_xor_sync(0xffffffffu, a[k][0], off);
+        acc[k] = a[k][0];
+    }
+}
+
+__device__ __forceinline__ void qc_gemv_q8_row4_any(uint32_t type, const uint8_t *const (&row)[4], int64_t cols,
+                                                    const qc_q8x &x, int lane, float (&acc)[4]) {
+    switch (type) {
+#define QC_CASE_(T) case T: qc_gemv_q8_row4<T>(row, cols, x, lane, acc); return;
+        QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) acc[k] = 0.0f;   /* unreachable */
+}
+
+/* One warp, one row, of a type known at run time (the same for the whole block). */
+template <int NT>
+__device__ __forceinline__ void qc_gemv_q8_row_any(uint32_t type, const uint8_t *__restrict__ row, int64_t cols,
+                                                   const qc_q8x &x, int n, int t0, int lane, float (&acc)[NT]) {
+    qc_gemv_q8_slice_any<NT>(type, row, cols, x, n, t0, lane, 32, acc);
+}
+
+/* qc_gemv_q8_row2 of a type known at run time. */
+template <int NT>
+__device__ __forceinline__ void qc_gemv_q8_row2_any(uint32_t type, const uint8_t *__restrict__ row_a,
+                                                    const uint8_t *__restrict__ row_b, int64_t cols, const qc_q8x &x,
+                                                    int n, int t0, int lane, float (&acc_a)[NT], float (&acc_b)[NT]) {
+    switch (type) {
+#define QC_CASE_(T) case T: qc_gemv_q8_row2<T, NT>(row_a, row_b, cols, x, n, t0, lane, acc_a, acc_b); return;
+        QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc_a[j] = acc_b[j] = 0.0f;   /* unreachable */
 }
 
 /* One row of a weight whose GEMV is chosen per weight (the fused ops mix types): the 8-bit dot
@@ -342,7 +422,7 @@ __device__ __forceinline__ void qc_gemv_row_either(bool q8, uint32_t type, const
 /* Quantize x (n rows of cols floats, cols a multiple of 32) into the backend's q8 buffer and
  * describe it in *out (matmul.cu). Never allocates: the buffer is made at creation. */
 #define QC_Q8X_MAX_COLS 65536
-static inline size_t qc_q8x_qs_bytes(int n, int64_t cols) { return ((size_t)n * (size_t)cols + 15) / 16 * 16; }
+__host__ __device__ static inline size_t qc_q8x_qs_bytes(int n, int64_t cols) { return ((size_t)n * (size_t)cols + 15) / 16 * 16; }
 static inline size_t qc_q8x_bytes(int n, int64_t cols) {
     return qc_q8x_qs_bytes(n, cols) + (size_t)n * (size_t)(cols / 32) * sizeof(float2);
 }

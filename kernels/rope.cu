@@ -3,24 +3,18 @@
  * rope_kv_store: the rotation of q and k and the KV-cache write of the rotated k and of v, in
  * one launch.
  *
- * The angle, its sine and cosine and the rotation are computed in double and rounded once to
- * float, like qwencuda.reference: in float the angle alone would be off by up to ~1e-3 rad at
- * position 32k. Both kernels rotate with qc_rope_pair, whose products and sums are explicitly
- * rounded (no FMA contraction that could differ between the two), so rope_kv_store gives rope's
- * bits. Positions come from device memory (graph-ready). */
+ * Both kernels rotate with qc_rope_rotate (qc_rope.cuh: double precision, explicitly rounded),
+ * as the persistent decode kernel does, so every path gives rope's bits. Positions come from
+ * device memory (graph-ready). */
 #include "qc_cuda.cuh"
+#include "qc_rope.cuh"
 
-/* Rotate the pair (v[i], v[i + head_dim/2]) of one head vector in place by the angle
- * pos * theta^(-2i/head_dim); returns the rotated pair. */
+/* Rotate the pair (v[i], v[i + head_dim/2]) of one head vector in place (qc_rope_rotate);
+ * returns the rotated pair. */
 __device__ __forceinline__ float2 qc_rope_pair(float *v, int i, int head_dim, int32_t pos,
                                                double theta) {
     const int half = head_dim / 2;
-    const double inv_freq = pow(theta, -2.0 * i / head_dim);
-    double s, c;
-    sincos((double)pos * inv_freq, &s, &c);
-    const double a = v[i], b = v[i + half];
-    const float2 rot = make_float2((float)__dsub_rn(__dmul_rn(a, c), __dmul_rn(b, s)),
-                                   (float)__dadd_rn(__dmul_rn(a, s), __dmul_rn(b, c)));
+    const float2 rot = qc_rope_rotate(v[i], v[i + half], i, head_dim, pos, theta);
     v[i] = rot.x;
     v[i + half] = rot.y;
     return rot;

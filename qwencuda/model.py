@@ -186,6 +186,14 @@ class Session:
         return self._core().kv_type
 
     @property
+    def last_path(self):
+        """How the last eval ran: "ops" (op by op: every prefill, and every step that captures or
+        patches), "graph" (a decode step recorded once as a CUDA graph and replayed) or
+        "persistent" (the same, as CUDA's one-launch decode kernel: QWENCUDA_DECODE=persistent at
+        session creation, for the models it serves). None before the first eval."""
+        return self._core().last_path
+
+    @property
     def prefill_chunk(self) -> int:
         """Most tokens one forward pass computes; a longer prefill runs in chunks of this many
         (same result, bounded scratch memory). Settable."""

@@ -100,6 +100,20 @@ def test_reset_starts_over(tiny):
     np.testing.assert_array_equal(s.prefill(IDS[:5], logits="all").logits, first)
 
 
+def test_last_path_on_the_cpu(tiny, monkeypatch):
+    """Session.last_path: None before any eval; the CPU has no recording, so every eval runs op by
+    op ("ops"), also with QWENCUDA_DECODE=persistent (a CUDA-only kernel: test_decode_step.py)."""
+    monkeypatch.setenv("QWENCUDA_DECODE", "persistent")
+    with tiny.session(max_context=16) as s:
+        assert s.last_path is None
+        s.prefill(IDS[:3])
+        assert s.last_path == "ops"
+        s.step(4)
+        assert s.last_path == "ops"
+    with pytest.raises(ValueError, match="closed"):
+        s.last_path
+
+
 def test_kv_position_advances_and_attention_sees_0_to_p(tiny):
     """DESIGN.md pitfall: the position advances after every forward; position p sees 0..p."""
     s = tiny.session(max_context=16)

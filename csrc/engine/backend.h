@@ -155,6 +155,29 @@ typedef int qc_op_rope_kv_store(qc_backend *be, float *q, float *k, const float 
     X(embed) X(rmsnorm) X(matmul) X(rope) X(kv_store) X(attention) X(swiglu) X(add) X(argmax) \
     X(sample) X(matmul_add) X(matmul_multi) X(matmul_swiglu) X(rope_kv_store)
 
+/* ---- the decode step in one launch (optional: CUDA's persistent decode kernel) ----
+ * What a decode step of one token reads and writes, for decode_step below: the weights and
+ * caches of every layer, and the activation buffers of the session. */
+typedef struct qc_decode_layer {
+    const qc_weight *wq, *wk, *wv, *wo, *w_gate, *w_up, *w_down;
+    const float *bq, *bk, *bv;            /* NULL where the file has none */
+    const float *attn_norm, *ffn_norm;
+    qc_kv_cache kv;
+} qc_decode_layer;
+
+typedef struct qc_decode_plan {
+    int n_layer, dim, ffn_dim, n_head, n_head_kv, head_dim;
+    float norm_eps, rope_theta;
+    const qc_decode_layer *layers;        /* [n_layer] */
+    const float *output_norm;
+    const qc_weight *output;              /* the lm_head */
+    const int32_t *pos;                   /* (1) the token's position, in backend memory */
+    float *x;                             /* (dim) the embedded token in, the residual stream out */
+    float *q, *att;                       /* (n_head * head_dim) scratch */
+    float *act;                           /* (ffn_dim) scratch */
+    float *logits;                        /* (n_vocab) out */
+} qc_decode_plan;
+
 typedef struct qc_backend_ops {
     /* ---- memory ---- */
     int (*alloc)(qc_backend *be, size_t bytes, void **out);
@@ -182,6 +205,14 @@ typedef struct qc_backend_ops {
     int (*record_end)(qc_backend *be, void **recording);   /* ends it even after a failed op */
     int (*replay)(qc_backend *be, void *recording);
     void (*recording_free)(qc_backend *be, void *recording); /* NULL ok */
+
+    /* ---- optional (NULL where unsupported): a decode step's layers and lm_head at once ----
+     * decode_step computes what the fused ops compute for one token over n_kv keys (the
+     * layers, the output norm and the lm_head: x, both caches and logits), with the same bits,
+     * in one launch. decode_step_takes says whether it takes a plan over n_kv keys (1) or the
+     * step must run op by op (0: a weight type, a shape or a context it does not serve). */
+    int (*decode_step_takes)(qc_backend *be, const qc_decode_plan *plan, int n_kv);
+    int (*decode_step)(qc_backend *be, const qc_decode_plan *plan);
 } qc_backend_ops;
 
 struct qc_backend {

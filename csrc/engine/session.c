@@ -116,6 +116,10 @@ struct qc_session {
     int no_fusion;            /* QWENCUDA_NO_FUSION at creation: never the fused ops */
     int no_graphs;            /* QWENCUDA_NO_GRAPHS at creation: every decode step op by op */
     int record_failed;        /* a decode step could not be recorded (and ran op by op) */
+    int persistent_decode;    /* QWENCUDA_DECODE=persistent at creation: the one-launch step */
+    const char *last_path;    /* how the last eval ran: "ops", "graph" or "persistent" */
+    qc_decode_layer *dec_layers;  /* [n_layer]: the weights and caches of decode_step's plan */
+    qc_decode_plan dec;       /* decode_step's plan; its buffer pointers are set at each use */
     qc_kv_cache *kv;          /* [n_layer] (max_ctx, n_head_kv * head_dim) of k (after RoPE), v */
     qc_scratch sc;
     int32_t *host_pos;        /* (sc.rows) positions staged on the host before upload */
@@ -148,6 +152,7 @@ typedef struct {
     int want_head;            /* run the output norm and the lm_head at all */
     int do_argmax, do_sample;
     int defer_download;       /* the recorded decode step: logits are downloaded after replay */
+    int one_launch;           /* the step's layers and lm_head in one decode_step launch */
     int n_captured;
     int n_patched;
     int n_attn_q;             /* query rows of the captured attn_scores / attn_probs */
@@ -774,6 +779,36 @@ static int ensure_attn_rows(qc_session *s, int rows, int n_kv, qc_error *err) {
 /* ---------------------------------------------------------------------------------------- */
 /* build / free */
 
+/* decode_step's plan: the model's weights and the session's caches, fixed for its life; the
+ * scratch pointers are set before each use (ensure_rows may move them). */
+static void decode_plan_build(qc_session *s) {
+    const qc_model *m = s->m;
+    const qc_config *c = &m->cfg;
+    for (int l = 0; l < (int)c->n_layer; l++) {
+        const qc_layer *L = &m->layers[l];
+        s->dec_layers[l] = (qc_decode_layer){
+            .wq = &L->wq, .wk = &L->wk, .wv = &L->wv, .wo = &L->wo,
+            .w_gate = &L->w_gate, .w_up = &L->w_up, .w_down = &L->w_down,
+            .bq = L->bq, .bk = L->bk, .bv = L->bv, .attn_norm = L->attn_norm, .ffn_norm = L->ffn_norm,
+            .kv = s->kv[l],
+        };
+    }
+    s->dec = (qc_decode_plan){
+        .n_layer = (int)c->n_layer, .dim = (int)c->dim, .ffn_dim = (int)c->ffn_dim, .n_head = (int)c->n_head,
+        .n_head_kv = (int)c->n_head_kv, .head_dim = (int)c->head_dim, .norm_eps = c->norm_eps,
+        .rope_theta = c->rope_theta, .layers = s->dec_layers, .output_norm = m->output_norm, .output = &m->output,
+    };
+}
+
+static void decode_plan_buffers(qc_session *s) {
+    s->dec.pos = s->sc.pos;
+    s->dec.x = s->sc.x;
+    s->dec.q = s->sc.q;
+    s->dec.att = s->sc.att;
+    s->dec.act = s->sc.act;
+    s->dec.logits = s->logits;
+}
+
 int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, qc_error *err) {
     qc_session *s = NULL;
     const qc_config *c = &m->cfg;
@@ -795,11 +830,18 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
     /* QWENCUDA_NO_FUSION=1 runs the unfused op sequences everywhere (to measure the fused ops) */
     const char *no_fusion = getenv("QWENCUDA_NO_FUSION");
     s->no_fusion = no_fusion && *no_fusion && strcmp(no_fusion, "0") != 0;
+    /* QWENCUDA_DECODE=persistent records a decode step as the backend's one-launch decode_step
+     * (CUDA's persistent kernel) where it serves the model. The op-by-op step stays the
+     * default: on an H100 it decodes the 0.5B shapes faster (bench/results, 20261123-*-persistent) */
+    const char *decode = getenv("QWENCUDA_DECODE");
+    s->persistent_decode = decode && strcmp(decode, "persistent") == 0;
+    s->last_path = NULL;
     s->kv = calloc((size_t)c->n_layer, sizeof *s->kv);
+    s->dec_layers = calloc((size_t)c->n_layer, sizeof *s->dec_layers);
     s->slot = malloc(n_names(s) * sizeof *s->slot);
     s->patched = malloc(n_names(s));
     s->slots_marked = 1;   /* the first eval clears them */
-    if (s->kv == NULL || s->slot == NULL || s->patched == NULL) {
+    if (s->kv == NULL || s->slot == NULL || s->patched == NULL || s->dec_layers == NULL) {
         qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
         goto fail;
     }
@@ -814,6 +856,7 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
             goto fail;
         }
     }
+    decode_plan_build(s);
     if (ensure_rows(s, max_ctx < QC_INITIAL_ROWS ? max_ctx : QC_INITIAL_ROWS, err) < 0 ||
         ensure_logit_rows(s, 1, err) < 0)
         goto fail;
@@ -841,12 +884,14 @@ void qc_session_free(qc_session *s) {
     buf_free(be, &s->sample_result);
     free(s->host_pos);
     free(s->kv);
+    free(s->dec_layers);
     free(s->slot);
     free(s->patched);
     free(s);
 }
 
 int qc_session_position(const qc_session *s) { return s->pos; }
+const char *qc_session_last_path(const qc_session *s) { return s->last_path; }
 int qc_session_max_context(const qc_session *s) { return s->max_ctx; }
 int qc_session_kv_type(const qc_session *s) { return s->kv_type; }
 void qc_session_reset(qc_session *s) { s->pos = 0; }
@@ -1158,9 +1203,9 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
     const int r0 = req->all_logits ? 0 : (last_chunk ? nc - 1 : nc);
     const int out_row0 = req->all_logits ? c0 : 0;
 
-    /* output RMSNorm: every row when all are needed, else the lm_head's */
+    /* output RMSNorm: every row when all are needed, else the lm_head's (decode_step ran both) */
     const int first = want_norm ? 0 : r0;
-    if (first < nc)
+    if (first < nc && !p->one_launch)
         OP(op->rmsnorm(be, sc->x + (size_t)first * dim, m->output_norm, nc - first, dim, c->norm_eps,
                        sc->xn + (size_t)first * dim));
     CAPTURE(observe(s, p, CAP_OUTPUT_NORM, sc->xn, c0, nc, dim, err));
@@ -1169,7 +1214,7 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
         const int rows = nc - b < p->head_block ? nc - b : p->head_block;
         const int out_row = out_row0 + (b - r0);
         /* lm_head: logits = xn @ output^T (output.weight, or token_embd when tied) */
-        OP(op->matmul(be, &m->output, NULL, sc->xn + (size_t)b * dim, rows, s->logits));
+        if (!p->one_launch) OP(op->matmul(be, &m->output, NULL, sc->xn + (size_t)b * dim, rows, s->logits));
         CAPTURE(observe(s, p, CAP_LOGITS, s->logits, out_row, rows, vocab, err));
         /* argmax: the first largest logit of each row */
         if (p->do_argmax) {
@@ -1206,8 +1251,13 @@ static int forward_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_e
     /* embed: x = token_embd[ids] */
     OP(be->ops->embed(be, &m->tok_embd, sc->ids, nc, sc->x));
     CAPTURE(observe(s, p, CAP_EMBED, sc->x, c0, nc, m->cfg.dim, err));
-    for (int l = 0; l < (int)m->cfg.n_layer; l++)
-        CAPTURE(layer_forward(s, p, l, c0, nc, n_kv, err));
+    if (p->one_launch) {
+        /* every layer, the output norm and the lm_head of this one token, in one launch */
+        OP(be->ops->decode_step(be, &s->dec));
+    } else {
+        for (int l = 0; l < (int)m->cfg.n_layer; l++)
+            CAPTURE(layer_forward(s, p, l, c0, nc, n_kv, err));
+    }
     if (p->want_head) CAPTURE(head_forward(s, p, c0, nc, err));
     return 0;
 backend_fail:
@@ -1282,6 +1332,14 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     /* the sampler's RNG and recent tokens, as this draw must see them */
     if (p->do_sample && op->upload(be, s->sample_state, req->sample, sample_bytes) < 0) goto backend_fail;
 
+    /* a decode step that the backend runs in one launch (CUDA's persistent kernel), recorded
+     * and replayed like the op-by-op step */
+    p->one_launch = 0;
+    if (replayable && s->persistent_decode && op->decode_step) {
+        decode_plan_buffers(s);
+        p->one_launch = op->decode_step_takes(be, &s->dec, p->n_kv);
+    }
+    s->last_path = "ops";
     if (replayable) {
         if (upload_chunk(s, p, 0, 1, err) < 0) return -1;
         const int replayed = decode_replayed(s, p, err);
@@ -1290,6 +1348,7 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
             s->record_failed = 0;   /* the step itself failed: a later one may record */
             return -1;
         }
+        s->last_path = p->one_launch ? "persistent" : replayed ? "graph" : "ops";
         if (req->want_logits &&
             (op->download(be, res->logits, s->logits, (size_t)c->n_vocab * sizeof(float)) < 0 ||
              op->download(be, res->argmax, s->amax, sizeof(int32_t)) < 0))

@@ -72,6 +72,10 @@ void qc_session_free(qc_session *s);   /* NULL ok */
 int qc_session_position(const qc_session *s);
 int qc_session_max_context(const qc_session *s);
 int qc_session_kv_type(const qc_session *s);
+/* How the last eval ran: "ops" (op by op), "graph" (a recorded op-by-op decode step replayed) or
+ * "persistent" (a recorded decode_step: the layers and lm_head in one launch); NULL before the
+ * first. */
+const char *qc_session_last_path(const qc_session *s);
 void qc_session_reset(qc_session *s);
 int qc_session_rewind(qc_session *s, int n, qc_error *err);
 

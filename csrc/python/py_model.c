@@ -435,6 +435,14 @@ static PyObject *Session_get_kv_type(SessionObject *so, void *closure) {
     return PyUnicode_FromString(qc_session_kv_type(so->s) == QC_KV_F16 ? "f16" : "f32");
 }
 
+static PyObject *Session_get_last_path(SessionObject *so, void *closure) {
+    (void)closure;
+    if (!session_usable(so)) return NULL;
+    const char *path = qc_session_last_path(so->s);
+    if (path == NULL) Py_RETURN_NONE;
+    return PyUnicode_FromString(path);
+}
+
 static PyObject *Session_get_chunk(SessionObject *so, void *closure) {
     (void)closure;
     if (!session_usable(so)) return NULL;
@@ -516,6 +524,9 @@ static PyGetSetDef Session_getset[] = {
     {"max_context", (getter)Session_get_max_context, NULL, "positions the KV cache holds", NULL},
     {"closed", (getter)Session_get_closed, NULL, "whether close() was called", NULL},
     {"kv_type", (getter)Session_get_kv_type, NULL, "the KV cache's element type: 'f16' or 'f32'", NULL},
+    {"last_path", (getter)Session_get_last_path, NULL,
+     "how the last eval ran: 'ops' (op by op), 'graph' (the recorded op-by-op decode step) or 'persistent' "
+     "(the recorded one-launch decode step, with QWENCUDA_DECODE=persistent); None before the first", NULL},
     {"prefill_chunk", (getter)Session_get_chunk, (setter)Session_set_chunk,
      "most tokens per forward pass: longer evals run in chunks of this many", NULL},
     {"capture_budget", (getter)Session_get_budget, (setter)Session_set_budget,
