@@ -313,6 +313,10 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_done, QC_ATT_PAIRS * sizeof(unsigned int)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->attn_done, 0, QC_ATT_PAIRS * sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
+    /* one normalised row for the fused ops of a decode step (QC_NORM_IN_BLOCK_MAX_COLS): made
+     * here, so a recorded step never grows it */
+    QC_CREATE_CHECK(cudaMalloc(&cu->scratch_norm, QC_Q8X_MAX_COLS * sizeof(float)));
+    cu->scratch_norm_bytes = QC_Q8X_MAX_COLS * sizeof(float);
     QC_CREATE_CHECK(cudaDeviceGetAttribute(&cu->coop_launch, cudaDevAttrCooperativeLaunch, device));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->dec_sync, QC_DEC_SYNC_WORDS * sizeof(unsigned int)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->dec_sync, 0, QC_DEC_SYNC_WORDS * sizeof(unsigned int), cu->stream));

@@ -7,9 +7,9 @@
  * and the switch on its type (qc_gemv_row_any) never diverges. A Q4_K_M file mixes types here
  * (q and k Q5_0, v Q8_0 or Q6_K). The dot products are qc_gemv_row's, the plain matmul's.
  *
- * With a norm weight, a decode launch (one token, dim <= QC_NORM_FUSE_MAX_COLS) normalises x in
- * every block's shared memory first (qc_norm_row_to_shared: the rmsnorm kernel's numbers), so the
- * attention norm costs no launch; other evals normalise into a scratch buffer first.
+ * With a norm weight, a decode launch (one token, dim <= QC_NORM_IN_BLOCK_MAX_COLS) normalises x
+ * in every block's shared memory first (qc_norm_row_to_shared: the rmsnorm kernel's numbers), so
+ * the attention norm costs no launch; other evals normalise into a scratch buffer first.
  *
  * A weight with an 8-bit GEMV (qc_gemv_q8.cuh) gets qc_gemv_q8_row_any's dot products, on x
  * normalised and quantized to 8 bits once into the backend's buffer (qc_cuda_norm_quantize_q8,
@@ -80,7 +80,9 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
                                        (long long)w->rows, (long long)w->cols, (long long)cols);
     }
     if (n <= 0) return 0;
-    if (norm_w && (n != 1 || cols > QC_NORM_FUSE_MAX_COLS)) {
+    int all_q8 = 1;
+    for (int i = 0; i < n_parts; i++) all_q8 &= qc_cuda_gemv_q8(be, parts[i].w->type, cols);
+    if (norm_w && (n != 1 || cols > QC_NORM_FUSE_MAX_COLS || (!all_q8 && cols > QC_NORM_IN_BLOCK_MAX_COLS))) {
         if (qc_cuda_norm_to_scratch(be, x, norm_w, n, cols, eps, &x) < 0) return -1;
         norm_w = NULL;
     }
@@ -117,8 +119,6 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
     if (launch.any_q8) {
         if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, cols, eps, &xq) : qc_cuda_quantize_q8(be, x, n, cols, &xq)) < 0)
             return -1;
-        int all_q8 = 1;
-        for (int i = 0; i < n_parts; i++) all_q8 &= launch.part[i].q8;
         if (all_q8) norm_w = NULL;
     }
     switch (qc_gemv_tokens_per_block(n)) {

@@ -147,7 +147,10 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
                                    (long long)w_gate->cols, w_up->type, (long long)w_up->rows, (long long)w_up->cols);
     const int64_t rows = w_gate->rows;
     if (n <= 0 || rows <= 0) return 0;
-    if (norm_w && (n != 1 || w_gate->cols > QC_NORM_FUSE_MAX_COLS)) {
+    const int gate_q8 = qc_cuda_gemv_q8(be, w_gate->type, w_gate->cols);
+    const int up_q8 = qc_cuda_gemv_q8(be, w_up->type, w_up->cols);
+    if (norm_w && (n != 1 || w_gate->cols > QC_NORM_FUSE_MAX_COLS ||
+                   (!(gate_q8 && up_q8) && w_gate->cols > QC_NORM_IN_BLOCK_MAX_COLS))) {
         if (qc_cuda_norm_to_scratch(be, x, norm_w, n, w_gate->cols, eps, &x) < 0) return -1;
         norm_w = NULL;
     }
@@ -165,8 +168,6 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n));
     /* the 8-bit weights' x, normalised and quantized once here; the blocks normalise in shared
      * memory only for a float-GEMV weight */
-    const int gate_q8 = qc_cuda_gemv_q8(be, w_gate->type, w_gate->cols);
-    const int up_q8 = qc_cuda_gemv_q8(be, w_up->type, w_up->cols);
     qc_q8x xq = {};
     if (gate_q8 || up_q8) {
         if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq)

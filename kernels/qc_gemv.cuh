@@ -84,6 +84,11 @@ __device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ 
 /* Widest row that the GEMV kernels normalise in shared memory (decode); wider ones, and evals
  * of several tokens, go through the rmsnorm op into a scratch buffer first. */
 #define QC_NORM_FUSE_MAX_COLS 4096
+/* Widest row that the float-GEMV blocks of matmul_multi and matmul_swiglu each normalise for
+ * themselves: wider ones are normalised once into a scratch buffer (one more launch). At 7B
+ * shapes (3584) each of the 1152 q/k/v blocks and 4736 gate/up blocks redid a 14 KB norm: the
+ * q/k/v GEMV of F16 weights ran at 0.9 TB/s (H100, bench/results). */
+#define QC_NORM_IN_BLOCK_MAX_COLS 2048
 
 /* acc[j] = the sum over parts first, first + stride, ... of the stored row (type T) times
  * x[t0 + j], for the tokens t0 + j < n (0 for the others), the same value in every lane. All 32

@@ -207,13 +207,15 @@ def test_matmul_long_rows(device, type_name, n):
                                   K.add(res, got, device=device))
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("n", [1, 3, 9])
 @pytest.mark.parametrize("type_name", ["F32", "F16", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
-def test_fused_norm_equals_rmsnorm_first(device, type_name, n):
+def test_fused_norm_equals_rmsnorm_first(device, type_name, n, wide):
     """matmul_multi / matmul_swiglu with norm= equal rmsnorm followed by the op, bit for bit:
-    a CUDA decode launch (n = 1) normalises in every block's shared memory with the rmsnorm
-    kernel's own reduction order; other evals normalise into a scratch buffer first."""
-    cols = _default_cols(type_name)
+    a CUDA decode launch (n = 1) of float weights up to 2048 columns normalises in every block's
+    shared memory with the rmsnorm kernel's own reduction order; wider rows (wide: 3584, the 7B
+    dim) and other evals normalise into a scratch buffer first."""
+    cols = 3584 if wide else _default_cols(type_name)
     rng = np.random.default_rng(21)
     x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
     nw = rng.standard_normal(cols).astype(np.float32)
