@@ -499,14 +499,8 @@ int qc_cuda_decode_step(qc_backend *be, const qc_decode_plan *p) {
     cfg.stream = cu->stream;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    const int f16 = p->layers[0].kv.type == QC_KV_F16;
-    cudaError_t e;
-    if (qc_att_group_lanes(p->head_dim) == 16)
-        e = f16 ? cudaLaunchKernelEx(&cfg, qc_decode_step_kernel<16, __half>, P)
-                : cudaLaunchKernelEx(&cfg, qc_decode_step_kernel<16, float>, P);
-    else
-        e = f16 ? cudaLaunchKernelEx(&cfg, qc_decode_step_kernel<32, __half>, P)
-                : cudaLaunchKernelEx(&cfg, qc_decode_step_kernel<32, float>, P);
+    void *args[] = {params};
+    const cudaError_t e = cudaLaunchKernelExC(&cfg, dec_kernel_for(p), args);
     free(params);
     return QC_CUDA(be, e);
 }

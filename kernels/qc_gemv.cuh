@@ -16,6 +16,30 @@
 
 #define QC_GEMV_WARPS 4                 /* rows per block of the GEMV kernels */
 
+/* Each acc[j] summed over the 32 lanes of the warp, into every lane: the xor shuffles that end
+ * every row GEMV (float and 8-bit), so all of them add in one order. */
+template <int NT>
+__device__ __forceinline__ void qc_warp_sum(float (&acc)[NT]) {
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+    }
+}
+
+/* The same for two rows' accumulators (the two-row GEMVs), their shuffles interleaved. */
+template <int NT>
+__device__ __forceinline__ void qc_warp_sum2(float (&acc_a)[NT], float (&acc_b)[NT]) {
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            acc_a[j] += __shfl_xor_sync(0xffffffffu, acc_a[j], off);
+            acc_b[j] += __shfl_xor_sync(0xffffffffu, acc_b[j], off);
+        }
+    }
+}
+
 /* x[8p .. 8p+8) of one activation row, zero past cols. */
 __device__ __forceinline__ void qc_load_x8(const float *__restrict__ xr, int64_t p, int64_t cols,
                                            float v[8]) {
@@ -114,11 +138,7 @@ __device__ __forceinline__ void qc_gemv_row_slice(const uint8_t *__restrict__ ro
             }
         }
     }
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
-    }
+    qc_warp_sum(acc);
 }
 
 /* acc[j] = dot(stored row of type T, x[t0 + j]): one warp takes the whole row. XS: x is in
@@ -166,14 +186,7 @@ __device__ __forceinline__ void qc_gemv_row2(const uint8_t *__restrict__ row_a,
             }
         }
     }
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            acc_a[j] += __shfl_xor_sync(0xffffffffu, acc_a[j], off);
-            acc_b[j] += __shfl_xor_sync(0xffffffffu, acc_b[j], off);
-        }
-    }
+    qc_warp_sum2(acc_a, acc_b);
 }
 
 /* qc_gemv_row for a type known only at run time. The fused kernels call it where the type is

@@ -310,11 +310,7 @@ __device__ __forceinline__ void qc_gemv_q8_row_slice(const uint8_t *__restrict__
     for (int j = 0; j < NT; j++) acc[j] = 0.0f;
 #pragma unroll 2
     for (int64_t u = first; u < units; u += stride) qc_q8_unit<T>::template run<NT>(row, u, x, n, t0, acc);
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
-    }
+    qc_warp_sum(acc);
 }
 
 /* Two rows of one type against the same x (matmul_swiglu's gate and up): one loop, both rows'
@@ -330,14 +326,7 @@ __device__ __forceinline__ void qc_gemv_q8_row2(const uint8_t *__restrict__ row_
         qc_q8_unit<T>::template run<NT>(row_a, u, x, n, t0, acc_a);
         qc_q8_unit<T>::template run<NT>(row_b, u, x, n, t0, acc_b);
     }
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            acc_a[j] += __shfl_xor_sync(0xffffffffu, acc_a[j], off);
-            acc_b[j] += __shfl_xor_sync(0xffffffffu, acc_b[j], off);
-        }
-    }
+    qc_warp_sum2(acc_a, acc_b);
 }
 
 /* qc_gemv_q8_row_slice of a type known at run time (the same for the whole warp). */
@@ -368,8 +357,7 @@ __device__ __forceinline__ void qc_gemv_q8_row4(const uint8_t *const (&row)[4], 
     }
 #pragma unroll
     for (int k = 0; k < 4; k++) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) a[k][0] += __shfl_xor_sync(0xffffffffu, a[k][0], off);
+        qc_warp_sum(a[k]);
         acc[k] = a[k][0];
     }
 }

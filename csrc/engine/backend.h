@@ -210,7 +210,9 @@ typedef struct qc_backend_ops {
      * decode_step computes what the fused ops compute for one token over n_kv keys (the
      * layers, the output norm and the lm_head: x, both caches and logits), with the same bits,
      * in one launch. decode_step_takes says whether it takes a plan over n_kv keys (1) or the
-     * step must run op by op (0: a weight type, a shape or a context it does not serve). */
+     * step must run op by op (0: a weight type, a shape or a context it does not serve); the
+     * answer depends on n_kv only through qc_kv_bucket, and not on the plan's buffers, so a
+     * session asks once per bucket. */
     int (*decode_step_takes)(qc_backend *be, const qc_decode_plan *plan, int n_kv);
     int (*decode_step)(qc_backend *be, const qc_decode_plan *plan);
 } qc_backend_ops;

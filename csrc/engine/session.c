@@ -120,6 +120,8 @@ struct qc_session {
     const char *last_path;    /* how the last eval ran: "ops", "graph" or "persistent" */
     qc_decode_layer *dec_layers;  /* [n_layer]: the weights and caches of decode_step's plan */
     qc_decode_plan dec;       /* decode_step's plan; its buffer pointers are set at each use */
+    int dec_takes[2];         /* decode_step_takes per qc_kv_bucket (it depends on nothing else);
+                                 -1 until asked */
     qc_kv_cache *kv;          /* [n_layer] (max_ctx, n_head_kv * head_dim) of k (after RoPE), v */
     qc_scratch sc;
     int32_t *host_pos;        /* (sc.rows) positions staged on the host before upload */
@@ -836,6 +838,7 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
     const char *decode = getenv("QWENCUDA_DECODE");
     s->persistent_decode = decode && strcmp(decode, "persistent") == 0;
     s->last_path = NULL;
+    s->dec_takes[0] = s->dec_takes[1] = -1;
     s->kv = calloc((size_t)c->n_layer, sizeof *s->kv);
     s->dec_layers = calloc((size_t)c->n_layer, sizeof *s->dec_layers);
     s->slot = malloc(n_names(s) * sizeof *s->slot);
@@ -1336,8 +1339,10 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
      * and replayed like the op-by-op step */
     p->one_launch = 0;
     if (replayable && s->persistent_decode && op->decode_step) {
+        int *takes = &s->dec_takes[qc_kv_bucket(p->n_kv)];
         decode_plan_buffers(s);
-        p->one_launch = op->decode_step_takes(be, &s->dec, p->n_kv);
+        if (*takes < 0) *takes = op->decode_step_takes(be, &s->dec, p->n_kv);
+        p->one_launch = *takes;
     }
     s->last_path = "ops";
     if (replayable) {
