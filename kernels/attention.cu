@@ -89,7 +89,7 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
     __shared__ float weight[32];
     __shared__ int last_block;
     const int t = blockIdx.z;
-    qc_att_split_block<G, KV>(q, k_cache, v_cache, pos[t], blockIdx.x, blockIdx.y, gridDim.y, t, n_head, n_head_kv,
+    qc_att_split_block<G, KV, true>(q, k_cache, v_cache, pos[t], blockIdx.x, blockIdx.y, gridDim.y, t, n_head, n_head_kv,
                               head_dim, scale, part, done, out, nullptr, nullptr, smem, weight, &last_block);
 }
 

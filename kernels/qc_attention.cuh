@@ -26,38 +26,87 @@ __device__ __forceinline__ void qc_att_load_q(const float *qv, int head_dim, int
     }
 }
 
+/* This lane's dimensions of key j's K and V rows (k and v at that head in key 0's row). */
+template <int G, typename KV>
+__device__ __forceinline__ void qc_att_load_kv(const KV *k, const KV *v, int j, int kv_dim, int head_dim,
+                                               int lane, KV (&kr)[QC_ATT_MAXD], KV (&vr)[QC_ATT_MAXD]) {
+    const KV *kj = k + (int64_t)j * kv_dim, *vj = v + (int64_t)j * kv_dim;
+#pragma unroll
+    for (int i = 0; i < QC_ATT_MAXD; i++) {
+        const int d = lane + i * G;
+        if (d < head_dim) {
+            kr[i] = kj[d];
+            vr[i] = vj[d];
+        }
+    }
+}
+
+/* One key j of a group's online softmax: the score of q (qr) against K, then m, l and acc
+ * updated with V; kd(i) and vd(i) give this lane's dimension lane + i * G of the key's K and V
+ * rows as floats (straight from the cache, or from registers loaded ahead). When srow is not
+ * NULL, lane 0 writes the scaled score (j < n_kv). */
+template <int G, class KD, class VD>
+__device__ __forceinline__ void qc_att_key(const float (&qr)[QC_ATT_MAXD], KD kd, VD vd, int j,
+                                           int head_dim, float scale, unsigned gmask, int lane,
+                                           float *srow, int n_kv, float &m, float &l,
+                                           float (&acc)[QC_ATT_MAXD]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < QC_ATT_MAXD; i++) {
+        const int d = lane + i * G;
+        if (d < head_dim) s = fmaf(qr[i], kd(i), s);
+    }
+#pragma unroll
+    for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(gmask, s, off, G);
+    s *= scale;
+    if (srow && lane == 0 && j < n_kv) srow[j] = s;
+    const float m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new);     /* 0 on the first key (m = -inf) */
+    const float p = expf(s - m_new);
+    l = l * corr + p;
+#pragma unroll
+    for (int i = 0; i < QC_ATT_MAXD; i++) {
+        const int d = lane + i * G;
+        if (d < head_dim) acc[i] = fmaf(p, vd(i), acc[i] * corr);
+    }
+    m = m_new;
+}
+
 /* Online softmax of one group over keys first, first + stride, ... <= last of one KV head
  * (k and v point at that head in key 0's row): running max m, sum l and output acc. When srow is
- * not NULL, lane 0 writes each scaled score below n_kv. */
-template <int G, typename KV>
+ * not NULL, lane 0 writes each scaled score below n_kv.
+ * AHEAD: the next key's K and V are loaded into registers before this key's arithmetic, so the
+ * loop is not a chain of load latencies (the split-K decode kernel of a 3B layer took 11 us at
+ * 512 keys on the H100 without it). The arithmetic is the same either way; the kernels with
+ * fewer registers to spare (the exact one of 1024 threads, the persistent decode kernel) go
+ * without. */
+template <int G, typename KV, bool AHEAD = false>
 __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], const KV *k,
                                             const KV *v, int kv_dim, int head_dim, float scale,
                                             int first, int stride, int last, unsigned gmask,
                                             int lane, float *srow, int n_kv, float &m, float &l,
                                             float (&acc)[QC_ATT_MAXD]) {
-    for (int j = first; j <= last; j += stride) {
-        const KV *kr = k + (int64_t)j * kv_dim;
-        const KV *vr = v + (int64_t)j * kv_dim;
-        float s = 0.0f;
+    if constexpr (AHEAD) {
+        if (first > last) return;
+        KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
+        qc_att_load_kv<G, KV>(k, v, first, kv_dim, head_dim, lane, k_next, v_next);
+        for (int j = first; j <= last; j += stride) {
+            KV kr[QC_ATT_MAXD], vr[QC_ATT_MAXD];
 #pragma unroll
-        for (int i = 0; i < QC_ATT_MAXD; i++) {
-            const int d = lane + i * G;
-            if (d < head_dim) s = fmaf(qr[i], qc_kv_get(kr + d), s);
+            for (int i = 0; i < QC_ATT_MAXD; i++) {
+                kr[i] = k_next[i];
+                vr[i] = v_next[i];
+            }
+            if (j + stride <= last) qc_att_load_kv<G, KV>(k, v, j + stride, kv_dim, head_dim, lane, k_next, v_next);
+            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(kr[i]); }, [&](int i) { return qc_kv_float(vr[i]); },
+                          j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
         }
-#pragma unroll
-        for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(gmask, s, off, G);
-        s *= scale;
-        if (srow && lane == 0 && j < n_kv) srow[j] = s;
-        const float m_new = fmaxf(m, s);
-        const float corr = expf(m - m_new);     /* 0 on the first key (m = -inf) */
-        const float p = expf(s - m_new);
-        l = l * corr + p;
-#pragma unroll
-        for (int i = 0; i < QC_ATT_MAXD; i++) {
-            const int d = lane + i * G;
-            if (d < head_dim) acc[i] = fmaf(p, qc_kv_get(vr + d), acc[i] * corr);
+    } else {
+        for (int j = first; j <= last; j += stride) {
+            const KV *kr = k + (int64_t)j * kv_dim + lane, *vr = v + (int64_t)j * kv_dim + lane;
+            qc_att_key<G>(qr, [&](int i) { return qc_kv_get(kr + i * G); }, [&](int i) { return qc_kv_get(vr + i * G); },
+                          j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
         }
-        m = m_new;
     }
 }
 
@@ -158,9 +207,9 @@ __device__ __forceinline__ void qc_att_merge_splits(const float *p, int splits, 
  * The block that counts last for the pair (done[pair], back to 0 after it) merges the splits'
  * partials into out (and its 8-bit blocks into out_qs, out_ds when out_qs is not NULL). smem:
  * groups * (2 + head_dim) floats; weight: 32 floats; last_block: one int, all in shared memory.
- * attention.cu's split kernel is one call of it; the persistent decode kernel (decode_step.cu)
- * calls it for each (head, split) its block takes. */
-template <int G, typename KV>
+ * attention.cu's split kernel is one call of it (AHEAD: qc_att_keys); the persistent decode
+ * kernel (decode_step.cu) calls it for each (head, split) its block takes. */
+template <int G, typename KV, bool AHEAD = false>
 __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_cache, const KV *v_cache,
                                                    int last_key, int h, int split, int splits, int t,
                                                    int n_head, int n_head_kv, int head_dim, float scale,
@@ -175,7 +224,7 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
     qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
     float m = -INFINITY, l = 0.0f;
-    qc_att_keys<G, KV>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
+    qc_att_keys<G, KV, AHEAD>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
                        kv_dim, head_dim, scale, split * groups + group, splits * groups, last_key, gmask,
                        lane, nullptr, 0, m, l, acc);
 

@@ -127,6 +127,8 @@ int qc_cuda_norm_to_scratch(qc_backend *be, const float *x, const float *norm_w,
  * kernel that writes or reads a KV cache uses. */
 __device__ __forceinline__ void qc_kv_put(float *p, float x) { *p = x; }
 __device__ __forceinline__ void qc_kv_put(__half *p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ float qc_kv_float(float v) { return v; }
+__device__ __forceinline__ float qc_kv_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float qc_kv_get(const float *p) { return *p; }
 __device__ __forceinline__ float qc_kv_get(const __half *p) { return __half2float(*p); }
 

@@ -114,12 +114,54 @@ __host__ __device__ constexpr int qc_al(int A, size_t off, int step) {
  * One overload per type, chosen by a tag (a function template cannot be partially specialised). */
 template <int T> struct qc_type_tag {};
 
+/* The plain types' whole, 16-byte aligned parts as raw loads and their decoding, apart, so a
+ * GEMV can issue the load of a later part before it decodes this one (qc_gemv.cuh); qc_deq8 of
+ * such a part is qc_part_decode(qc_part_ld(...)). qc_part<T>::raw is one part's bytes; ok says T has
+ * them (the block formats decode inside qc_deq8 only). */
+template <int T> struct qc_part { static constexpr bool ok = false; };
+template <> struct qc_part<QC_TYPE_F32>  { static constexpr bool ok = true; struct raw { float4 a, b; }; };
+template <> struct qc_part<QC_TYPE_F16>  { static constexpr bool ok = true; typedef uint4 raw; };
+template <> struct qc_part<QC_TYPE_BF16> { static constexpr bool ok = true; typedef uint4 raw; };
+/* CS: a streaming load (__ldcs, evict first), for weights read once per token by the GEMVs */
+template <bool CS, class V> __device__ __forceinline__ V qc_ld_vec(const V *p) {
+    if constexpr (CS) return __ldcs(p);
+    else return *p;
+}
+template <int T, bool CS = false>
+__device__ __forceinline__ typename qc_part<T>::raw qc_part_ld(const uint8_t *row, int64_t p) {
+    if constexpr (T == QC_TYPE_F32) {
+        const float4 *r = (const float4 *)row + 2 * p;
+        return {qc_ld_vec<CS>(r), qc_ld_vec<CS>(r + 1)};
+    } else {
+        return qc_ld_vec<CS>((const uint4 *)row + p);
+    }
+}
+
+template <int T>
+__device__ __forceinline__ void qc_part_decode(const typename qc_part<T>::raw v, float w[8]) {
+    if constexpr (T == QC_TYPE_F32) {
+        w[0] = v.a.x; w[1] = v.a.y; w[2] = v.a.z; w[3] = v.a.w;
+        w[4] = v.b.x; w[5] = v.b.y; w[6] = v.b.z; w[7] = v.b.w;
+    } else {
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if constexpr (T == QC_TYPE_F16) {
+                w[2 * k] = qc_h2f((uint16_t)(u[k] & 0xffff));
+                w[2 * k + 1] = qc_h2f((uint16_t)(u[k] >> 16));
+            } else {   /* BF16: the high half of an f32 */
+                w[2 * k] = __uint_as_float(u[k] << 16);
+                w[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+            }
+        }
+    }
+}
+
 template <int A>
 __device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_F32>, const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
     const float *r = (const float *)row + 8 * p;
     if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
-        const float4 a = *(const float4 *)r, b = *(const float4 *)(r + 4);
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+        qc_part_decode<QC_TYPE_F32>(qc_part_ld<QC_TYPE_F32>(row, p), w);
     } else {
 #pragma unroll
         for (int k = 0; k < 8; k++) w[k] = 8 * p + k < cols ? r[k] : 0.0f;
@@ -130,13 +172,7 @@ template <int A>
 __device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_F16>, const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
     const uint16_t *r = (const uint16_t *)row + 8 * p;
     if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
-        const uint4 v = *(const uint4 *)r;
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            w[2 * k] = qc_h2f((uint16_t)(u[k] & 0xffff));
-            w[2 * k + 1] = qc_h2f((uint16_t)(u[k] >> 16));
-        }
+        qc_part_decode<QC_TYPE_F16>(qc_part_ld<QC_TYPE_F16>(row, p), w);
     } else {
 #pragma unroll
         for (int k = 0; k < 8; k++) w[k] = 8 * p + k < cols ? qc_h2f(r[k]) : 0.0f;
@@ -147,13 +183,7 @@ template <int A>
 __device__ __forceinline__ void qc_deq8(qc_type_tag<QC_TYPE_BF16>, const uint8_t *row, int64_t p, int64_t cols, float w[8]) {
     const uint16_t *r = (const uint16_t *)row + 8 * p;
     if (8 * p + 8 <= cols && ((uintptr_t)r & 15) == 0) {
-        const uint4 v = *(const uint4 *)r;
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            w[2 * k] = __uint_as_float(u[k] << 16);
-            w[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
-        }
+        qc_part_decode<QC_TYPE_BF16>(qc_part_ld<QC_TYPE_BF16>(row, p), w);
     } else {
 #pragma unroll
         for (int k = 0; k < 8; k++) w[k] = 8 * p + k < cols ? qc_bf2f(r[k]) : 0.0f;

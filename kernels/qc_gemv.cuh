@@ -64,6 +64,9 @@ __device__ __forceinline__ void qc_load_x8_shared(const float *xr, int64_t p, in
  * QC_GEMV_WARPS warps, with the rmsnorm kernel's numbers bit for bit (rmsnorm.cu): its 256
  * threads' strided fmaf chains are this block's two chains per thread, reduced by the same
  * shuffles, and the eight warp sums are added in the same order. Every thread calls it. */
+/* Widest row that the GEMV kernels normalise in shared memory (decode); wider ones, and evals
+ * of several tokens, go through the rmsnorm op into a scratch buffer first. */
+#define QC_NORM_FUSE_MAX_COLS 4096
 #define QC_NORM_ROW_THREADS 256   /* rmsnorm.cu's QC_NORM_THREADS */
 /* Its first half: 1 / rms(x), the rmsnorm kernel's value, in every thread; x[i] * scale * w[i]
  * is then element i, bit for bit (qc_norm_quantize_q8_kernel normalises only its own blocks).
@@ -75,14 +78,34 @@ __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, 
     static_assert(2 * 32 * QC_GEMV_WARPS == QC_NORM_ROW_THREADS, "two rmsnorm threads per thread");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float ss[2] = {0.0f, 0.0f};
+    if (!XS && dim <= QC_NORM_FUSE_MAX_COLS) {
+        /* from global memory, every value's load first, then the chains: the loads are in
+         * flight together (one after another, 14 L2 round trips took about 5 us at 3584 values
+         * on the H100) */
+        constexpr int PER = QC_NORM_FUSE_MAX_COLS / QC_NORM_ROW_THREADS;
+        float v[2][PER];
 #pragma unroll
-    for (int h = 0; h < 2; h++)
-        for (int i = tid + h * 32 * QC_GEMV_WARPS; i < dim; i += QC_NORM_ROW_THREADS) {
-            float v;
-            if constexpr (XS) v = x[i];
-            else v = __ldcg(x + i);
-            ss[h] = fmaf(v, v, ss[h]);
-        }
+        for (int m = 0; m < PER; m++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int i = tid + h * 32 * QC_GEMV_WARPS + m * QC_NORM_ROW_THREADS;
+                v[h][m] = i < dim ? __ldcg(x + i) : 0.0f;
+            }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int m = 0; m < PER; m++)
+                if (tid + h * 32 * QC_GEMV_WARPS + m * QC_NORM_ROW_THREADS < dim) ss[h] = fmaf(v[h][m], v[h][m], ss[h]);
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            for (int i = tid + h * 32 * QC_GEMV_WARPS; i < dim; i += QC_NORM_ROW_THREADS) {
+                float v;
+                if constexpr (XS) v = x[i];
+                else v = __ldcg(x + i);
+                ss[h] = fmaf(v, v, ss[h]);
+            }
+    }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
 #pragma unroll
@@ -105,14 +128,104 @@ __device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ 
     for (int i = threadIdx.x; i < dim; i += 32 * QC_GEMV_WARPS) xs[i] = x[i] * scale * w[i];
     __syncthreads();
 }
-/* Widest row that the GEMV kernels normalise in shared memory (decode); wider ones, and evals
- * of several tokens, go through the rmsnorm op into a scratch buffer first. */
-#define QC_NORM_FUSE_MAX_COLS 4096
 /* Widest row that the float-GEMV blocks of matmul_multi and matmul_swiglu each normalise for
  * themselves: wider ones are normalised once into a scratch buffer (one more launch). At 7B
  * shapes (3584) each of the 1152 q/k/v blocks and 4736 gate/up blocks redid a 14 KB norm: the
- * q/k/v GEMV of F16 weights ran at 0.9 TB/s (H100, bench/results). */
-#define QC_NORM_IN_BLOCK_MAX_COLS 2048
+ * q/k/v GEMV of F16 weights ran at 0.9 TB/s (H100, bench/results); at 3B (2048) the norm
+ * reads of the 2752 gate/up blocks are half as many bytes again as the weights. */
+#define QC_NORM_IN_BLOCK_MAX_COLS 1024
+
+/* acc[r][j] = the sum over parts first, first + stride, ... of stored row r (type T) times
+ * x[t0 + j], for the tokens t0 + j < n (0 for the others), this lane's share before the warp's
+ * reduction; R rows (one, or gate and up) against each x part loaded once. Every float GEMV of
+ * decode is this loop; two versions of it give the same sums bit for bit:
+ * - qc_gemv_deq_rows, any type: each part decoded by qc_deq8, then multiplied;
+ * - qc_gemv_plain_rows, for rows of a plain type (F32, F16, BF16) whose parts are all whole
+ *   and 16-byte aligned (qc_gemv_plain_ok): each lane's weight loads go out D parts ahead, so
+ *   a warp keeps D + 1 parts per row in flight instead of one. The parts, their values
+ *   (qc_part_decode is qc_deq8's decoding) and each accumulator's fmaf chain are the same; only
+ *   when the loads are issued moves. Streaming loads: the weights are read once a token. On the
+ *   H100 this took the F16 gate/up GEMV of the 3B and 7B shapes from 2.1 and 2.7 TB/s to 2.6
+ *   and 3.0 (bench/results/20261123-*-f16-gemv.md). */
+template <int NT, bool XS, int R>
+__device__ __forceinline__ void qc_gemv_fma_part(const float (&w)[R][8], const float *__restrict__ x,
+                                                 int64_t p, int64_t cols, int n, int t0,
+                                                 float (&acc)[R][NT]) {
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        if (t0 + j < n) {
+            float xv[8];
+            if (XS) qc_load_x8_shared(x + (int64_t)(t0 + j) * cols, p, cols, xv);
+            else qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[r][j] = fmaf(w[r][k], xv[k], acc[r][j]);
+        }
+    }
+}
+template <int T, int NT, bool XS, int R>
+__device__ __forceinline__ void qc_gemv_deq_rows(const uint8_t *const (&row)[R], int64_t cols,
+                                                 const float *__restrict__ x, int n, int t0,
+                                                 int64_t first, int64_t stride, float (&acc)[R][NT]) {
+    const int64_t parts = (cols + 7) / 8;
+    for (int64_t p = first; p < parts; p += stride) {
+        float w[R][8];
+#pragma unroll
+        for (int r = 0; r < R; r++) qc_deq8<T>(row[r], p, cols, w[r]);
+        qc_gemv_fma_part<NT, XS, R>(w, x, p, cols, n, t0, acc);
+    }
+}
+template <int T, int NT, bool XS, int R, int D>
+__device__ __forceinline__ void qc_gemv_plain_rows(const uint8_t *const (&row)[R], int64_t cols,
+                                                   const float *__restrict__ x, int n, int t0,
+                                                   int64_t first, int64_t stride, float (&acc)[R][NT]) {
+    const int64_t parts = cols / 8;
+    typename qc_part<T>::raw ahead[D][R];
+#pragma unroll
+    for (int d = 0; d < D; d++)
+        if (first + d * stride < parts) {
+#pragma unroll
+            for (int r = 0; r < R; r++) ahead[d][r] = qc_part_ld<T, true>(row[r], first + d * stride);
+        }
+    for (int64_t p0 = first; p0 < parts; p0 += D * stride) {
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            const int64_t p = p0 + d * stride;
+            if (p >= parts) break;
+            float w[R][8];
+#pragma unroll
+            for (int r = 0; r < R; r++) qc_part_decode<T>(ahead[d][r], w[r]);
+            if (p + D * stride < parts) {
+#pragma unroll
+                for (int r = 0; r < R; r++) ahead[d][r] = qc_part_ld<T, true>(row[r], p + D * stride);
+            }
+            qc_gemv_fma_part<NT, XS, R>(w, x, p, cols, n, t0, acc);
+        }
+    }
+}
+/* Parts ahead per lane (D): of 1, 2 and 4, 1 was the best or within 3% of it for every F16
+ * shape of 0.5B to 7B on the H100 (a row per warp, a row per block, gate and up per warp). */
+#define QC_GEMV_AHEAD 1
+template <int T, int NT, bool XS, int R, int D>
+__device__ __forceinline__ void qc_gemv_rows(const uint8_t *const (&row)[R], int64_t cols,
+                                             const float *__restrict__ x, int n, int t0,
+                                             int64_t first, int64_t stride, float (&acc)[R][NT]) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[r][j] = 0.0f;
+    if constexpr (qc_part<T>::ok) {
+        bool plain = cols % 8 == 0;
+#pragma unroll
+        for (int r = 0; r < R; r++) plain = plain && ((uintptr_t)row[r] & 15) == 0;
+        if (plain) {
+            qc_gemv_plain_rows<T, NT, XS, R, D>(row, cols, x, n, t0, first, stride, acc);
+            return;
+        }
+    }
+    qc_gemv_deq_rows<T, NT, XS, R>(row, cols, x, n, t0, first, stride, acc);
+}
 
 /* acc[j] = the sum over parts first, first + stride, ... of the stored row (type T) times
  * x[t0 + j], for the tokens t0 + j < n (0 for the others), the same value in every lane. All 32
@@ -121,23 +234,11 @@ template <int T, int NT, bool XS = false>
 __device__ __forceinline__ void qc_gemv_row_slice(const uint8_t *__restrict__ row, int64_t cols,
                                                   const float *__restrict__ x, int n, int t0,
                                                   int64_t first, int64_t stride, float (&acc)[NT]) {
-    const int64_t parts = (cols + 7) / 8;
+    const uint8_t *const rows[1] = {row};
+    float acc1[1][NT];
+    qc_gemv_rows<T, NT, XS, 1, QC_GEMV_AHEAD>(rows, cols, x, n, t0, first, stride, acc1);
 #pragma unroll
-    for (int j = 0; j < NT; j++) acc[j] = 0.0f;
-    for (int64_t p = first; p < parts; p += stride) {
-        float w[8];
-        qc_deq8<T>(row, p, cols, w);
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            if (t0 + j < n) {
-                float xv[8];
-                if (XS) qc_load_x8_shared(x + (int64_t)(t0 + j) * cols, p, cols, xv);
-                else qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
-#pragma unroll
-                for (int k = 0; k < 8; k++) acc[j] = fmaf(w[k], xv[k], acc[j]);
-            }
-        }
-    }
+    for (int j = 0; j < NT; j++) acc[j] = acc1[0][j];
     qc_warp_sum(acc);
 }
 
@@ -165,26 +266,13 @@ __device__ __forceinline__ void qc_gemv_row2(const uint8_t *__restrict__ row_a,
                                              const uint8_t *__restrict__ row_b, int64_t cols,
                                              const float *__restrict__ x, int n, int t0, int lane,
                                              float (&acc_a)[NT], float (&acc_b)[NT]) {
-    const int64_t parts = (cols + 7) / 8;
+    const uint8_t *const rows[2] = {row_a, row_b};
+    float acc2[2][NT];
+    qc_gemv_rows<T, NT, XS, 2, QC_GEMV_AHEAD>(rows, cols, x, n, t0, lane, 32, acc2);
 #pragma unroll
-    for (int j = 0; j < NT; j++) acc_a[j] = acc_b[j] = 0.0f;
-    for (int64_t p = lane; p < parts; p += 32) {
-        float wa[8], wb[8];
-        qc_deq8<T>(row_a, p, cols, wa);
-        qc_deq8<T>(row_b, p, cols, wb);
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            if (t0 + j < n) {
-                float xv[8];
-                if (XS) qc_load_x8_shared(x + (int64_t)(t0 + j) * cols, p, cols, xv);
-                else qc_load_x8(x + (int64_t)(t0 + j) * cols, p, cols, xv);
-#pragma unroll
-                for (int k = 0; k < 8; k++) {
-                    acc_a[j] = fmaf(wa[k], xv[k], acc_a[j]);
-                    acc_b[j] = fmaf(wb[k], xv[k], acc_b[j]);
-                }
-            }
-        }
+    for (int j = 0; j < NT; j++) {
+        acc_a[j] = acc2[0][j];
+        acc_b[j] = acc2[1][j];
     }
     qc_warp_sum2(acc_a, acc_b);
 }

@@ -212,9 +212,10 @@ def test_matmul_long_rows(device, type_name, n):
 @pytest.mark.parametrize("type_name", ["F32", "F16", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
 def test_fused_norm_equals_rmsnorm_first(device, type_name, n, wide):
     """matmul_multi / matmul_swiglu with norm= equal rmsnorm followed by the op, bit for bit:
-    a CUDA decode launch (n = 1) of float weights up to 2048 columns normalises in every block's
+    a CUDA decode launch (n = 1) of float weights up to 1024 columns normalises in every block's
     shared memory with the rmsnorm kernel's own reduction order; wider rows (wide: 3584, the 7B
-    dim) and other evals normalise into a scratch buffer first."""
+    dim) and other evals normalise into a scratch buffer first. 8-bit weights normalise and
+    quantize once (qc_norm_row_scale, the same order again), at 3584 columns too."""
     cols = 3584 if wide else _default_cols(type_name)
     rng = np.random.default_rng(21)
     x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
@@ -270,8 +271,10 @@ def test_matmul_from_gguf(device, tmp_path):
 # rmsnorm, rope, kv_store
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (3, 896), (17, 130), (130, 7)])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 896), (17, 130), (130, 7), (2, 3584), (1, 5000), (2, 9000)])
 def test_rmsnorm(device, shape):
+    """Every row length class of the CUDA kernel: up to 8, 16 and 32 values per thread held in
+    registers (2048, 4096, 8192), and the loop past that."""
     rng = np.random.default_rng(10)
     x = (rng.standard_normal(shape) * 3).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(shape[1])).astype(np.float32)
