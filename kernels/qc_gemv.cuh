@@ -146,7 +146,7 @@ __device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ 
  *   (qc_part_decode is qc_deq8's decoding) and each accumulator's fmaf chain are the same; only
  *   when the loads are issued moves. Streaming loads: the weights are read once a token. On the
  *   H100 this took the F16 gate/up GEMV of the 3B and 7B shapes from 2.1 and 2.7 TB/s to 2.6
- *   and 3.0 (bench/results/20261123-*-f16-gemv.md). */
+ *   and 3.0 (bench/results/20261123-81e1645-nvidia-h100-f16-decode.md). */
 template <int NT, bool XS, int R>
 __device__ __forceinline__ void qc_gemv_fma_part(const float (&w)[R][8], const float *__restrict__ x,
                                                  int64_t p, int64_t cols, int n, int t0,
