@@ -60,13 +60,13 @@ __device__ __forceinline__ void qc_load_x8_shared(const float *xr, int64_t p, in
     for (int k = 0; k < 8; k++) v[k] = 8 * p + k < cols ? r[k] : 0.0f;
 }
 
+/* Widest row that the GEMV kernels normalise in shared memory (decode); wider ones, and evals
+ * of several tokens, go through the rmsnorm op into a scratch buffer first. */
+#define QC_NORM_FUSE_MAX_COLS 4096
 /* x[i] / rms(x) * w[i] of one row of dim values into xs (shared memory), by a block of
  * QC_GEMV_WARPS warps, with the rmsnorm kernel's numbers bit for bit (rmsnorm.cu): its 256
  * threads' strided fmaf chains are this block's two chains per thread, reduced by the same
  * shuffles, and the eight warp sums are added in the same order. Every thread calls it. */
-/* Widest row that the GEMV kernels normalise in shared memory (decode); wider ones, and evals
- * of several tokens, go through the rmsnorm op into a scratch buffer first. */
-#define QC_NORM_FUSE_MAX_COLS 4096
 #define QC_NORM_ROW_THREADS 256   /* rmsnorm.cu's QC_NORM_THREADS */
 /* Its first half: 1 / rms(x), the rmsnorm kernel's value, in every thread; x[i] * scale * w[i]
  * is then element i, bit for bit (qc_norm_quantize_q8_kernel normalises only its own blocks).
@@ -131,8 +131,9 @@ __device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ 
 /* Widest row that the float-GEMV blocks of matmul_multi and matmul_swiglu each normalise for
  * themselves: wider ones are normalised once into a scratch buffer (one more launch). At 7B
  * shapes (3584) each of the 1152 q/k/v blocks and 4736 gate/up blocks redid a 14 KB norm: the
- * q/k/v GEMV of F16 weights ran at 0.9 TB/s (H100, bench/results); at 3B (2048) the norm
- * reads of the 2752 gate/up blocks are half as many bytes again as the weights. */
+ * q/k/v GEMV of F16 weights ran at 0.9 TB/s (H100, bench/results); at 3B (2048) the 2752
+ * gate/up blocks' norm reads came to half the weights' bytes: 3B F16 decoded 266 tok/s with
+ * 2048 here, 288 with 1024, 1.5B 476 and 527 (bench/results/20261123-81e1645-...). */
 #define QC_NORM_IN_BLOCK_MAX_COLS 1024
 
 /* acc[r][j] = the sum over parts first, first + stride, ... of stored row r (type T) times
