@@ -68,8 +68,8 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
 
 /* ANY_Q8: a launch with no 8-bit part (F16 weights, say) runs a kernel without the 8-bit
  * GEMV's code: 64 registers a thread instead of 78, so 8 blocks per SM instead of 6 and the 1152
- * blocks of the 7B q/k/v GEMV in about one wave (with the loads ahead of qc_gemv.cuh, that
- * GEMV went from 19 to 15 us on the H100). */
+ * blocks of the 7B q/k/v GEMV in about one wave (on the H100 that GEMV went from 19 to 15 us a
+ * layer, in a build that also changed how far qc_gemv.cuh loads ahead). */
 template <bool ANY_Q8>
 static void launch_multi(const qc_gemv_parts &launch, dim3 grid, int64_t cols, const float *x, const qc_q8x &xq,
                          int n, const float *norm_w, float eps, cudaStream_t st) {

@@ -129,8 +129,7 @@ __device__ __forceinline__ void qc_kv_put(float *p, float x) { *p = x; }
 __device__ __forceinline__ void qc_kv_put(__half *p, float x) { *p = __float2half_rn(x); }
 __device__ __forceinline__ float qc_kv_float(float v) { return v; }
 __device__ __forceinline__ float qc_kv_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float qc_kv_get(const float *p) { return *p; }
-__device__ __forceinline__ float qc_kv_get(const __half *p) { return __half2float(*p); }
+template <typename KV> __device__ __forceinline__ float qc_kv_get(const KV *p) { return qc_kv_float(*p); }
 
 /* Dequantize rows [row0, row0 + nrows) of w into dst, row-major (nrows, w->cols), as f16
  * (half_out != 0) or f32. Used by matmul's cuBLAS path. */

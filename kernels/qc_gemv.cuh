@@ -80,8 +80,8 @@ __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, 
     float ss[2] = {0.0f, 0.0f};
     if (!XS && dim <= QC_NORM_FUSE_MAX_COLS) {
         /* from global memory, every value's load first, then the chains: the loads are in
-         * flight together (one after another, 14 L2 round trips took about 5 us at 3584 values
-         * on the H100) */
+         * flight together, not 14 L2 round trips one after another at 3584 values (the
+         * norm-and-quantize kernel took 5.8 us a launch at 7B on the H100, report 967daae) */
         constexpr int PER = QC_NORM_FUSE_MAX_COLS / QC_NORM_ROW_THREADS;
         float v[2][PER];
 #pragma unroll
@@ -142,12 +142,13 @@ __device__ __forceinline__ void qc_norm_row_to_shared(const float *__restrict__ 
  * decode is this loop; two versions of it give the same sums bit for bit:
  * - qc_gemv_deq_rows, any type: each part decoded by qc_deq8, then multiplied;
  * - qc_gemv_plain_rows, for rows of a plain type (F32, F16, BF16) whose parts are all whole
- *   and 16-byte aligned (qc_gemv_plain_ok): each lane's weight loads go out D parts ahead, so
- *   a warp keeps D + 1 parts per row in flight instead of one. The parts, their values
- *   (qc_part_decode is qc_deq8's decoding) and each accumulator's fmaf chain are the same; only
- *   when the loads are issued moves. Streaming loads: the weights are read once a token. On the
- *   H100 this took the F16 gate/up GEMV of the 3B and 7B shapes from 2.1 and 2.7 TB/s to 2.6
- *   and 3.0 (bench/results/20261123-81e1645-nvidia-h100-f16-decode.md). */
+ *   and 16-byte aligned: each lane's load of its next part goes out before this part is
+ *   multiplied, so a warp keeps two parts per row in flight instead of one (of 1, 2 and 4 parts
+ *   ahead, 1 was the best or within 3% of it for every F16 shape of 0.5B to 7B on the H100).
+ *   The parts, their values (qc_part_decode is qc_deq8's decoding) and each accumulator's fmaf
+ *   chain are the same; only when the loads are issued moves. Streaming loads: the weights
+ *   are read once a token. On the H100 this took the F16 gate/up GEMV of the 3B and 7B shapes
+ *   from 2.1 and 2.7 TB/s to 2.6 and 3.0 (bench/results/20261123-81e1645-nvidia-h100-f16-decode.md). */
 template <int NT, bool XS, int R>
 __device__ __forceinline__ void qc_gemv_fma_part(const float (&w)[R][8], const float *__restrict__ x,
                                                  int64_t p, int64_t cols, int n, int t0,
@@ -177,38 +178,28 @@ __device__ __forceinline__ void qc_gemv_deq_rows(const uint8_t *const (&row)[R],
         qc_gemv_fma_part<NT, XS, R>(w, x, p, cols, n, t0, acc);
     }
 }
-template <int T, int NT, bool XS, int R, int D>
+template <int T, int NT, bool XS, int R>
 __device__ __forceinline__ void qc_gemv_plain_rows(const uint8_t *const (&row)[R], int64_t cols,
                                                    const float *__restrict__ x, int n, int t0,
                                                    int64_t first, int64_t stride, float (&acc)[R][NT]) {
     const int64_t parts = cols / 8;
-    typename qc_part<T>::raw ahead[D][R];
+    typename qc_part<T>::raw next[R];
+    if (first < parts) {
 #pragma unroll
-    for (int d = 0; d < D; d++)
-        if (first + d * stride < parts) {
+        for (int r = 0; r < R; r++) next[r] = qc_part_ld<T, true>(row[r], first);
+    }
+    for (int64_t p = first; p < parts; p += stride) {
+        float w[R][8];
 #pragma unroll
-            for (int r = 0; r < R; r++) ahead[d][r] = qc_part_ld<T, true>(row[r], first + d * stride);
+        for (int r = 0; r < R; r++) qc_part_decode<T>(next[r], w[r]);
+        if (p + stride < parts) {
+#pragma unroll
+            for (int r = 0; r < R; r++) next[r] = qc_part_ld<T, true>(row[r], p + stride);
         }
-    for (int64_t p0 = first; p0 < parts; p0 += D * stride) {
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            const int64_t p = p0 + d * stride;
-            if (p >= parts) break;
-            float w[R][8];
-#pragma unroll
-            for (int r = 0; r < R; r++) qc_part_decode<T>(ahead[d][r], w[r]);
-            if (p + D * stride < parts) {
-#pragma unroll
-                for (int r = 0; r < R; r++) ahead[d][r] = qc_part_ld<T, true>(row[r], p + D * stride);
-            }
-            qc_gemv_fma_part<NT, XS, R>(w, x, p, cols, n, t0, acc);
-        }
+        qc_gemv_fma_part<NT, XS, R>(w, x, p, cols, n, t0, acc);
     }
 }
-/* Parts ahead per lane (D): of 1, 2 and 4, 1 was the best or within 3% of it for every F16
- * shape of 0.5B to 7B on the H100 (a row per warp, a row per block, gate and up per warp). */
-#define QC_GEMV_AHEAD 1
-template <int T, int NT, bool XS, int R, int D>
+template <int T, int NT, bool XS, int R>
 __device__ __forceinline__ void qc_gemv_rows(const uint8_t *const (&row)[R], int64_t cols,
                                              const float *__restrict__ x, int n, int t0,
                                              int64_t first, int64_t stride, float (&acc)[R][NT]) {
@@ -221,7 +212,7 @@ __device__ __forceinline__ void qc_gemv_rows(const uint8_t *const (&row)[R], int
 #pragma unroll
         for (int r = 0; r < R; r++) plain = plain && ((uintptr_t)row[r] & 15) == 0;
         if (plain) {
-            qc_gemv_plain_rows<T, NT, XS, R, D>(row, cols, x, n, t0, first, stride, acc);
+            qc_gemv_plain_rows<T, NT, XS, R>(row, cols, x, n, t0, first, stride, acc);
             return;
         }
     }
@@ -237,7 +228,7 @@ __device__ __forceinline__ void qc_gemv_row_slice(const uint8_t *__restrict__ ro
                                                   int64_t first, int64_t stride, float (&acc)[NT]) {
     const uint8_t *const rows[1] = {row};
     float acc1[1][NT];
-    qc_gemv_rows<T, NT, XS, 1, QC_GEMV_AHEAD>(rows, cols, x, n, t0, first, stride, acc1);
+    qc_gemv_rows<T, NT, XS, 1>(rows, cols, x, n, t0, first, stride, acc1);
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[j] = acc1[0][j];
     qc_warp_sum(acc);
@@ -269,7 +260,7 @@ __device__ __forceinline__ void qc_gemv_row2(const uint8_t *__restrict__ row_a,
                                              float (&acc_a)[NT], float (&acc_b)[NT]) {
     const uint8_t *const rows[2] = {row_a, row_b};
     float acc2[2][NT];
-    qc_gemv_rows<T, NT, XS, 2, QC_GEMV_AHEAD>(rows, cols, x, n, t0, lane, 32, acc2);
+    qc_gemv_rows<T, NT, XS, 2>(rows, cols, x, n, t0, lane, 32, acc2);
 #pragma unroll
     for (int j = 0; j < NT; j++) {
         acc_a[j] = acc2[0][j];
