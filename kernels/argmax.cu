@@ -23,6 +23,7 @@ __global__ void __launch_bounds__(QC_ARGMAX_THREADS)
 qc_argmax_kernel(const float *__restrict__ x, int64_t cols, int32_t *__restrict__ out) {
     __shared__ float sv[QC_ARGMAX_THREADS / 32];
     __shared__ int64_t si[QC_ARGMAX_THREADS / 32];
+    qc_grid_start();
     const float *r = x + (int64_t)blockIdx.x * cols;
     float bv = -INFINITY;
     int64_t bi = -1;
@@ -72,6 +73,6 @@ int qc_cuda_argmax(qc_backend *be, const float *x, int n, int64_t cols, int32_t 
     if (n <= 0) return 0;
     if (cols <= 0 || cols > INT32_MAX)
         return qc_cuda_value_error(be, "argmax: %lld columns", (long long)cols);
-    qc_argmax_kernel<<<n, QC_ARGMAX_THREADS, 0, qc_cuda_of(be)->stream>>>(x, cols, out);
+    qc_launch(qc_cuda_of(be), qc_argmax_kernel, dim3(n), dim3(QC_ARGMAX_THREADS), 0, x, cols, out);
     return QC_LAUNCHED(be, "qc_argmax_kernel");
 }

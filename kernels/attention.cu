@@ -36,6 +36,7 @@ qc_attention_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
     const int lane = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
     /* the G lanes of this group, as a shuffle mask within the warp */
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
+    qc_grid_start();
     const int last = pos[t];     /* keys 0..last */
 
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
@@ -89,20 +90,26 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
     __shared__ float weight[32];
     __shared__ int last_block;
     const int t = blockIdx.z;
-    qc_att_split_block<G, KV, true>(q, k_cache, v_cache, pos[t], blockIdx.x, blockIdx.y, gridDim.y, t, n_head, n_head_kv,
+    /* before the wait (qc_grid_start's rule): the position, and L2 asked for this block's keys */
+    const int last = pos[t];
+    const int groups = QC_ATT_SPLIT_THREADS / G;
+    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, blockIdx.x / (n_head / n_head_kv), n_head_kv * head_dim, head_dim,
+                                blockIdx.y * groups + threadIdx.x / G, gridDim.y * groups, last);
+    qc_grid_start();
+    qc_att_split_block<G, KV, true>(q, k_cache, v_cache, last, blockIdx.x, blockIdx.y, gridDim.y, t, n_head, n_head_kv,
                               head_dim, scale, part, done, out, nullptr, nullptr, smem, weight, &last_block);
 }
 
 /* The split-K kernel of a short eval, for a cache of KV. */
 template <typename KV>
-static void launch_split(int G, dim3 grid, size_t smem, cudaStream_t st, const float *q, const KV *k_cache,
+static void launch_split(int G, dim3 grid, size_t smem, const qc_cuda *cu, const float *q, const KV *k_cache,
                          const KV *v_cache, const int32_t *pos, int n_head, int n_head_kv, int head_dim,
                          float scale, float *part, unsigned int *done, float *out) {
     switch (G) {
 #define QC_SPLIT_CASE_(g)                                                                         \
     case g:                                                                                       \
-        qc_attention_split_kernel<g, KV><<<grid, QC_ATT_SPLIT_THREADS, smem, st>>>(                \
-            q, k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, part, done, out);       \
+        qc_launch(cu, qc_attention_split_kernel<g, KV>, grid, dim3(QC_ATT_SPLIT_THREADS), smem, q, \
+                  k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, part, done, out);   \
         break;
         QC_SPLIT_CASE_(1) QC_SPLIT_CASE_(2) QC_SPLIT_CASE_(4) QC_SPLIT_CASE_(8) QC_SPLIT_CASE_(16)
         QC_SPLIT_CASE_(32)
@@ -112,16 +119,15 @@ static void launch_split(int G, dim3 grid, size_t smem, cudaStream_t st, const f
 
 /* The exact kernel, one block per (head, token), for a cache of KV. */
 template <typename KV>
-static void launch_exact(int G, dim3 grid, int threads, size_t smem, cudaStream_t st, const float *q,
+static void launch_exact(int G, dim3 grid, int threads, size_t smem, const qc_cuda *cu, const float *q,
                          const KV *k_cache, const KV *v_cache, const int32_t *pos, int n, int n_kv,
                          int n_head, int n_head_kv, int head_dim, float scale, float *out,
                          float *scores, float *probs) {
     switch (G) {
 #define QC_CASE_(g)                                                                              \
     case g:                                                                                      \
-        qc_attention_kernel<g, KV><<<grid, threads, smem, st>>>(                                 \
-            q, k_cache, v_cache, pos, n, n_kv, n_head, n_head_kv, head_dim, scale, out, scores,  \
-            probs);                                                                              \
+        qc_launch(cu, qc_attention_kernel<g, KV>, grid, dim3(threads), smem, q, k_cache, v_cache, \
+                  pos, n, n_kv, n_head, n_head_kv, head_dim, scale, out, scores, probs);         \
         break;
         QC_CASE_(1) QC_CASE_(2) QC_CASE_(4) QC_CASE_(8) QC_CASE_(16) QC_CASE_(32)
 #undef QC_CASE_
@@ -162,10 +168,10 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
         const dim3 grid((unsigned)n_head, QC_ATT_SPLITS, (unsigned)n);
         if (cache.type == QC_KV_F16)
-            launch_split<__half>(G, grid, smem, cu->stream, q, (const __half *)cache.k, (const __half *)cache.v,
+            launch_split<__half>(G, grid, smem, cu, q, (const __half *)cache.k, (const __half *)cache.v,
                                  pos, n_head, n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out);
         else
-            launch_split<float>(G, grid, smem, cu->stream, q, (const float *)cache.k, (const float *)cache.v,
+            launch_split<float>(G, grid, smem, cu, q, (const float *)cache.k, (const float *)cache.v,
                                 pos, n_head, n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out);
         return QC_LAUNCHED(be, "qc_attention_split_kernel");
     }
@@ -174,11 +180,11 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
     const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
     const dim3 grid((unsigned)n_head, (unsigned)n);
     if (cache.type == QC_KV_F16)
-        launch_exact<__half>(G, grid, threads, smem, cu->stream, q, (const __half *)cache.k,
+        launch_exact<__half>(G, grid, threads, smem, cu, q, (const __half *)cache.k,
                              (const __half *)cache.v, pos, n, n_kv, n_head, n_head_kv, head_dim, scale,
                              out, scores, probs);
     else
-        launch_exact<float>(G, grid, threads, smem, cu->stream, q, (const float *)cache.k,
+        launch_exact<float>(G, grid, threads, smem, cu, q, (const float *)cache.k,
                             (const float *)cache.v, pos, n, n_kv, n_head, n_head_kv, head_dim, scale,
                             out, scores, probs);
     return QC_LAUNCHED(be, "qc_attention_kernel");

@@ -54,6 +54,26 @@ static int use_device(qc_backend *be) {
     return QC_CUDA(be, cudaSetDevice(be->device));
 }
 
+/* Compiled as every op kernel is (one nvcc line for all .cu files): its PTX version is theirs. */
+__global__ void qc_pdl_probe_kernel() {}
+
+/* Whether the op kernels can be programmatic dependent launches (qc_cuda.cuh): the device is
+ * sm_90 or newer, the code it runs was compiled for sm_90 or newer (a build for older GPUs has
+ * no griddepcontrol instructions in its kernels, and running it JIT-compiled on an H100 must
+ * not let a kernel start before its inputs are written), and QWENCUDA_PDL is not "0". */
+static int pdl_usable(qc_backend *be, int *pdl) {
+    *pdl = 0;
+    const char *env = getenv("QWENCUDA_PDL");
+    if (env && strcmp(env, "0") == 0) return 0;
+    int major = 0;
+    cudaFuncAttributes fa;
+    if (QC_CUDA(be, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, be->device)) < 0 ||
+        QC_CUDA(be, cudaFuncGetAttributes(&fa, qc_pdl_probe_kernel)) < 0)
+        return -1;
+    *pdl = major >= 9 && fa.ptxVersion >= 90;
+    return 0;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* memory */
 
@@ -329,7 +349,10 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     {
         const char *decode = getenv("QWENCUDA_DECODE_ATTENTION");
         cu->flash_decode = !(decode && strcmp(decode, "split") == 0);
-
+        if (pdl_usable(be, &cu->pdl) < 0) {
+            qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);
+            goto fail;
+        }
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);
@@ -352,6 +375,25 @@ extern "C" int qc_cuda_mem_info(int device, size_t *free_bytes, size_t *total_by
         cudaGetLastError();
         return qc_fail(err, QC_ERR_CUDA, "cudaMemGetInfo on cuda:%d failed: %s (%s)", device,
                        cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    return 0;
+}
+
+extern "C" int qc_cuda_device_props(int device, qc_cuda_props *out, qc_error *err) {
+    const struct { cudaDeviceAttr attr; int *dst; const char *what; } q[] = {
+        {cudaDevAttrMemoryClockRate, &out->mem_clock_khz, "memory clock"},
+        {cudaDevAttrGlobalMemoryBusWidth, &out->bus_width_bits, "memory bus width"},
+        {cudaDevAttrMultiProcessorCount, &out->sm_count, "multiprocessor count"},
+        {cudaDevAttrComputeCapabilityMajor, &out->major, "compute capability"},
+        {cudaDevAttrComputeCapabilityMinor, &out->minor, "compute capability"},
+    };
+    for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
+        const cudaError_t e = cudaDeviceGetAttribute(q[i].dst, q[i].attr, device);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return qc_fail(err, QC_ERR_CUDA, "cuda:%d: reading its %s failed: %s (%s)", device, q[i].what,
+                           cudaGetErrorString(e), cudaGetErrorName(e));
+        }
     }
     return 0;
 }

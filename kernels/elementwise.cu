@@ -10,12 +10,14 @@
 
 /* out = silu(gate) * up (qc_silu_mul) */
 __global__ void qc_swiglu_kernel(const float *gate, const float *up, int64_t count, float *out) {
+    qc_grid_start();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
          i += (int64_t)gridDim.x * blockDim.x)
         out[i] = qc_silu_mul(gate[i], up[i]);
 }
 
 __global__ void qc_add_kernel(const float *a, const float *b, int64_t count, float *out) {
+    qc_grid_start();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
          i += (int64_t)gridDim.x * blockDim.x)
         out[i] = a[i] + b[i];
@@ -23,6 +25,7 @@ __global__ void qc_add_kernel(const float *a, const float *b, int64_t count, flo
 
 __global__ void qc_add_bias_kernel(float *out, const float *__restrict__ bias, int64_t count,
                                    int64_t rows) {
+    qc_grid_start();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
          i += (int64_t)gridDim.x * blockDim.x)
         out[i] += bias[i % rows];
@@ -30,36 +33,35 @@ __global__ void qc_add_bias_kernel(float *out, const float *__restrict__ bias, i
 
 __global__ void qc_to_half_kernel(const float *__restrict__ src, __half *__restrict__ dst,
                                   int64_t count) {
+    qc_grid_start();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
          i += (int64_t)gridDim.x * blockDim.x)
         dst[i] = __float2half_rn(src[i]);
 }
 
+static dim3 ew_grid(int64_t count) { return dim3(qc_grid_for(count, QC_EW_THREADS, QC_EW_MAX_BLOCKS)); }
+
 int qc_cuda_swiglu(qc_backend *be, const float *gate, const float *up, int64_t count, float *out) {
     if (count <= 0) return 0;
-    qc_swiglu_kernel<<<qc_grid_for(count, QC_EW_THREADS, QC_EW_MAX_BLOCKS), QC_EW_THREADS, 0,
-                       qc_cuda_of(be)->stream>>>(gate, up, count, out);
+    qc_launch(qc_cuda_of(be), qc_swiglu_kernel, ew_grid(count), dim3(QC_EW_THREADS), 0, gate, up, count, out);
     return QC_LAUNCHED(be, "qc_swiglu_kernel");
 }
 
 int qc_cuda_add(qc_backend *be, const float *a, const float *b, int64_t count, float *out) {
     if (count <= 0) return 0;
-    qc_add_kernel<<<qc_grid_for(count, QC_EW_THREADS, QC_EW_MAX_BLOCKS), QC_EW_THREADS, 0,
-                    qc_cuda_of(be)->stream>>>(a, b, count, out);
+    qc_launch(qc_cuda_of(be), qc_add_kernel, ew_grid(count), dim3(QC_EW_THREADS), 0, a, b, count, out);
     return QC_LAUNCHED(be, "qc_add_kernel");
 }
 
 int qc_cuda_add_bias(qc_backend *be, float *out, const float *bias, int n, int64_t rows) {
     const int64_t count = (int64_t)n * rows;
     if (count <= 0) return 0;
-    qc_add_bias_kernel<<<qc_grid_for(count, QC_EW_THREADS, QC_EW_MAX_BLOCKS), QC_EW_THREADS, 0,
-                         qc_cuda_of(be)->stream>>>(out, bias, count, rows);
+    qc_launch(qc_cuda_of(be), qc_add_bias_kernel, ew_grid(count), dim3(QC_EW_THREADS), 0, out, bias, count, rows);
     return QC_LAUNCHED(be, "qc_add_bias_kernel");
 }
 
 int qc_cuda_to_half(qc_backend *be, const float *src, void *dst, int64_t count) {
     if (count <= 0) return 0;
-    qc_to_half_kernel<<<qc_grid_for(count, QC_EW_THREADS, QC_EW_MAX_BLOCKS), QC_EW_THREADS, 0,
-                        qc_cuda_of(be)->stream>>>(src, (__half *)dst, count);
+    qc_launch(qc_cuda_of(be), qc_to_half_kernel, ew_grid(count), dim3(QC_EW_THREADS), 0, src, (__half *)dst, count);
     return QC_LAUNCHED(be, "qc_to_half_kernel");
 }

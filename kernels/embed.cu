@@ -60,6 +60,7 @@ __device__ __forceinline__ void qc_dequant_row(const uint8_t *__restrict__ row, 
 template <int T, int A, bool VEC>
 __global__ void qc_embed_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t cols,
                                 const int32_t *__restrict__ ids, int n, float *__restrict__ out) {
+    qc_grid_start();
     for (int64_t t = blockIdx.y * (int64_t)QC_DQ_ROWS + threadIdx.y; t < n;
          t += (int64_t)gridDim.y * QC_DQ_ROWS)
         qc_dequant_row<T, A, VEC>(W + (int64_t)ids[t] * row_bytes, cols, out + t * cols);
@@ -70,6 +71,7 @@ template <int T, int A, bool VEC, typename OutT>
 __global__ void qc_dequant_rows_kernel(const uint8_t *__restrict__ W, int64_t row_bytes,
                                        int64_t cols, int64_t row0, int64_t nrows,
                                        OutT *__restrict__ dst) {
+    qc_grid_start();
     for (int64_t r = blockIdx.y * (int64_t)QC_DQ_ROWS + threadIdx.y; r < nrows;
          r += (int64_t)gridDim.y * QC_DQ_ROWS)
         qc_dequant_row<T, A, VEC>(W + (row0 + r) * row_bytes, cols, dst + r * cols);
@@ -116,11 +118,11 @@ int qc_cuda_embed(qc_backend *be, const qc_weight *table, const int32_t *ids, in
 #define QC_CASE_(T)                                                                              \
     case T:                                                                                      \
         if (fast)                                                                                \
-            qc_embed_kernel<T, qc_blk_align<T>(), true><<<grid, block, 0, cu->stream>>>(         \
-                W, rb, table->cols, ids, n, out);                                                \
+            qc_launch(cu, qc_embed_kernel<T, qc_blk_align<T>(), true>, grid, block, 0, W, rb,    \
+                      table->cols, ids, n, out);                                                 \
         else                                                                                     \
-            qc_embed_kernel<T, 2, false><<<grid, block, 0, cu->stream>>>(                        \
-                W, rb, table->cols, ids, n, out);                                                \
+            qc_launch(cu, qc_embed_kernel<T, 2, false>, grid, block, 0, W, rb, table->cols, ids, \
+                      n, out);                                                                   \
         break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
@@ -135,11 +137,11 @@ static void dequant_rows(const qc_cuda *cu, const uint8_t *W, int64_t rb, int64_
     dim3 grid, block;
     dq_shape(cu, cols, nrows, &grid, &block);
     if (dq_fast(W, cols, dst))
-        qc_dequant_rows_kernel<T, qc_blk_align<T>(), true, OutT><<<grid, block, 0, cu->stream>>>(
-            W, rb, cols, row0, nrows, dst);
+        qc_launch(cu, qc_dequant_rows_kernel<T, qc_blk_align<T>(), true, OutT>, grid, block, 0, W, rb,
+                  cols, row0, nrows, dst);
     else
-        qc_dequant_rows_kernel<T, 2, false, OutT><<<grid, block, 0, cu->stream>>>(
-            W, rb, cols, row0, nrows, dst);
+        qc_launch(cu, qc_dequant_rows_kernel<T, 2, false, OutT>, grid, block, 0, W, rb, cols, row0,
+                  nrows, dst);
 }
 
 int qc_cuda_dequantize_rows(qc_backend *be, const qc_weight *w, int64_t row0, int64_t nrows,

@@ -127,6 +127,7 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     __half *Ks = Qs + L::q_halves + kw * L::warp_halves;   /* [2][QC_FA_BC][LD] of this key warp */
     __half *Vs = Ks + 2 * L::tile_halves;                  /* [2][QC_FA_BC][LD] */
     __shared__ bool last_block;
+    qc_grid_start();
 
     const int g = lane >> 2, c = lane & 3;      /* fragment row group and column pair */
     const int G = n_head / n_head_kv, kv_dim = n_head_kv * D;
@@ -409,9 +410,9 @@ static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const
         return qc_cuda_value_error(be, "attention: %lld rows per KV head is too many", (long long)rows);
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const dim3 grid((unsigned)n_rt, (unsigned)n_head_kv, SPLITS);
-    qc_flash_attention_kernel<D, WARPS, SPLITS, KW><<<grid, L::THREADS, L::bytes, cu->stream>>>(
-        q, (const __half *)cache.k, (const __half *)cache.v, pos, n, n_head, n_head_kv, scale_log2, out,
-        cu->attn_part, cu->attn_done);
+    qc_launch(cu, qc_flash_attention_kernel<D, WARPS, SPLITS, KW>, grid, dim3(L::THREADS), L::bytes, q,
+              (const __half *)cache.k, (const __half *)cache.v, pos, n, n_head, n_head_kv, scale_log2, out,
+              cu->attn_part, cu->attn_done);
     return QC_LAUNCHED(be, "qc_flash_attention_kernel");
 }
 

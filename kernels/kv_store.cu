@@ -8,6 +8,7 @@ template <typename KV>
 __global__ void qc_kv_store_kernel(const float *__restrict__ k, const float *__restrict__ v,
                                    const int32_t *__restrict__ pos, int n, int kv_dim,
                                    KV *__restrict__ k_cache, KV *__restrict__ v_cache) {
+    qc_grid_start();
     const int64_t total = (int64_t)n * kv_dim;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
          i += (int64_t)gridDim.x * blockDim.x) {
@@ -25,11 +26,11 @@ int qc_cuda_kv_store(qc_backend *be, const float *k, const float *v, const int32
     if (total <= 0) return 0;
     const unsigned grid = qc_grid_for(total, 256, 65535);
     if (cache.type == QC_KV_F16)
-        qc_kv_store_kernel<__half><<<grid, 256, 0, cu->stream>>>(k, v, pos, n, kv_dim, (__half *)cache.k,
-                                                                (__half *)cache.v);
+        qc_launch(cu, qc_kv_store_kernel<__half>, dim3(grid), dim3(256), 0, k, v, pos, n, kv_dim,
+                  (__half *)cache.k, (__half *)cache.v);
     else if (cache.type == QC_KV_F32)
-        qc_kv_store_kernel<float><<<grid, 256, 0, cu->stream>>>(k, v, pos, n, kv_dim, (float *)cache.k,
-                                                               (float *)cache.v);
+        qc_launch(cu, qc_kv_store_kernel<float>, dim3(grid), dim3(256), 0, k, v, pos, n, kv_dim,
+                  (float *)cache.k, (float *)cache.v);
     else
         return qc_cuda_value_error(be, "kv_store: unknown KV cache type %d", cache.type);
     return QC_LAUNCHED(be, "qc_kv_store_kernel");

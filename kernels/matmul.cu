@@ -43,6 +43,8 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r = S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS + warp : (int64_t)blockIdx.x;
     const int t0 = blockIdx.y * NT;
+    qc_gemv_prefetch(W, row_bytes, S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS : r, QC_GEMV_WARPS / S, rows);
+    qc_grid_start();
     if (r >= rows) return;   /* whole warps (S = 1) or the whole block (S > 1) leave together */
     float acc[NT];
     const int64_t first = S == 1 ? lane : lane + 32 * warp;
@@ -76,6 +78,7 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
 
 /* x[n][cols] to 8 bits: one warp per block of 32 (qc_q8_quantize_block). */
 __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t blocks, int8_t *qs, float2 *ds) {
+    qc_grid_start();
     const int lane = threadIdx.x & 31;
     const int64_t b = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= blocks) return;
@@ -90,11 +93,17 @@ __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict__ norm_w, int cols,
                            float eps, int8_t *qs, float2 *ds) {
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
-    const float scale = qc_norm_row_scale(x, cols, eps, norm_tmp);
     const int lane = threadIdx.x & 31;
     const int b = blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
     const int i = 32 * b + lane;
-    if (b < cols / 32) qc_q8_quantize_block(x[i] * scale * norm_w[i], lane, qs + 32 * b, ds + b);
+    const bool mine = b < cols / 32;
+    /* the chain is latency: the norm weight (no kernel writes it) is loaded before the wait,
+     * and this lane's x value beside the scale's loads, not after the scale */
+    const float w = mine ? __ldg(norm_w + i) : 0.0f;
+    qc_grid_start();
+    const float xi = mine ? __ldcg(x + i) : 0.0f;
+    const float scale = qc_norm_row_scale(x, cols, eps, norm_tmp);
+    if (mine) qc_q8_quantize_block(xi * scale * w, lane, qs + 32 * b, ds + b);
 }
 
 int qc_cuda_gemv_q8(qc_backend *be, uint32_t type, int64_t cols) {
@@ -109,7 +118,8 @@ int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_
     float2 *ds = (float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(n, cols));
     const int64_t blocks = (int64_t)n * (cols / 32);
     const int warps = 8;
-    qc_quantize_q8_kernel<<<(unsigned)((blocks + warps - 1) / warps), 32 * warps, 0, cu->stream>>>(x, blocks, qs, ds);
+    qc_launch(cu, qc_quantize_q8_kernel, dim3((unsigned)((blocks + warps - 1) / warps)), dim3(32 * warps), 0, x,
+              blocks, qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
     return QC_LAUNCHED(be, "qc_quantize_q8_kernel");
 }
@@ -122,33 +132,36 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
     int8_t *qs = (int8_t *)cu->q8x;
     float2 *ds = (float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(1, cols));
     const unsigned blocks = (unsigned)((cols / 32 + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS);
-    qc_norm_quantize_q8_kernel<<<blocks, 32 * QC_GEMV_WARPS, 0, cu->stream>>>(x, norm_w, (int)cols, eps, qs, ds);
+    qc_launch(cu, qc_norm_quantize_q8_kernel, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols, eps,
+              qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
 }
 
 template <int T, int S, bool Q8>
 static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
-                          int n, const float *residual, float *out, cudaStream_t st) {
+                          int n, const float *residual, float *out, const qc_cuda *cu) {
     const int64_t rb = qc_row_bytes_t<T>(w->cols);
     const int64_t rows_per_block = QC_GEMV_WARPS / S;
     const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
     const dim3 block(32 * QC_GEMV_WARPS);
     const uint8_t *W = (const uint8_t *)w->data;
+#define QC_ARGS_ W, rb, w->rows, w->cols, x, xq, n, bias, residual, out
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_kernel<T, 1, S, Q8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, xq, n, bias, residual, out); break;
-    case 2: qc_gemv_kernel<T, 2, S, Q8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, xq, n, bias, residual, out); break;
-    case 4: qc_gemv_kernel<T, 4, S, Q8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, xq, n, bias, residual, out); break;
-    default: qc_gemv_kernel<T, 8, S, Q8><<<grid, block, 0, st>>>(W, rb, w->rows, w->cols, x, xq, n, bias, residual, out); break;
+    case 1: qc_launch(cu, qc_gemv_kernel<T, 1, S, Q8>, grid, block, 0, QC_ARGS_); break;
+    case 2: qc_launch(cu, qc_gemv_kernel<T, 2, S, Q8>, grid, block, 0, QC_ARGS_); break;
+    case 4: qc_launch(cu, qc_gemv_kernel<T, 4, S, Q8>, grid, block, 0, QC_ARGS_); break;
+    default: qc_launch(cu, qc_gemv_kernel<T, 8, S, Q8>, grid, block, 0, QC_ARGS_); break;
     }
+#undef QC_ARGS_
 }
 
 /* Q8: x quantized in xq (qc_gemv_q8.cuh; the types of QC_Q8_FOR_EACH_TYPE only). */
 template <int T, bool Q8>
 static void launch_gemv(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq, int n,
-                        const float *residual, float *out, cudaStream_t st) {
-    if (qc_gemv_split(w->cols) > 1) launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, st);
-    else launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, st);
+                        const float *residual, float *out, const qc_cuda *cu) {
+    if (qc_gemv_split(w->cols) > 1) launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, cu);
+    else launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, cu);
 }
 
 /* out[n][rows] (ldc = rows, starting at row r0) = X[n][cols] @ A^T for A (m, cols); with
@@ -229,14 +242,14 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
     if (qc_cuda_gemv_q8(be, w->type, w->cols)) {
         if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0) return -1;
         switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, cu->stream); break;
+#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, cu); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
         }
         return QC_LAUNCHED(be, "qc_gemv_kernel");
     }
     switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, cu->stream); break;
+#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, cu); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }

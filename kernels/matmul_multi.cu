@@ -44,9 +44,6 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
     /* one normalised token row (decode); NT > 1 launches never get a norm weight */
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
-    if constexpr (NT == 1) {
-        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
-    }
     /* the part of this block: the last whose first block is <= blockIdx.x (an unrolled loop:
      * constant indices, so the parameter array is not copied to local memory) */
     qc_gemv_part p = parts.part[0];
@@ -54,8 +51,14 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
     for (int i = 1; i < QC_MATMUL_MULTI_MAX; i++)
         if (i < parts.n_parts && blockIdx.x >= parts.part[i].first_block) p = parts.part[i];
     const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)(blockIdx.x - p.first_block) * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    const int64_t r0 = (int64_t)(blockIdx.x - p.first_block) * QC_GEMV_WARPS;
+    const int64_t r = r0 + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * NT;
+    qc_gemv_prefetch(p.W, p.row_bytes, r0, QC_GEMV_WARPS, p.rows);
+    qc_grid_start();
+    if constexpr (NT == 1) {
+        if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+    }
     if (r >= p.rows) return;   /* whole warps leave together: the shuffles stay full */
     float acc[NT];
     qc_gemv_row_either<NT>(ANY_Q8 && p.q8, p.type, p.W + r * p.row_bytes, cols, xq, NT == 1 && norm_w ? xs : NULL, x,
@@ -72,14 +75,16 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
  * layer, in a build that also changed how far qc_gemv.cuh loads ahead). */
 template <bool ANY_Q8>
 static void launch_multi(const qc_gemv_parts &launch, dim3 grid, int64_t cols, const float *x, const qc_q8x &xq,
-                         int n, const float *norm_w, float eps, cudaStream_t st) {
+                         int n, const float *norm_w, float eps, const qc_cuda *cu) {
     const dim3 block(32 * QC_GEMV_WARPS);
+#define QC_ARGS_ launch, cols, x, xq, n, norm_w, eps
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_multi_kernel<1, ANY_Q8><<<grid, block, 0, st>>>(launch, cols, x, xq, n, norm_w, eps); break;
-    case 2: qc_gemv_multi_kernel<2, ANY_Q8><<<grid, block, 0, st>>>(launch, cols, x, xq, n, NULL, eps); break;
-    case 4: qc_gemv_multi_kernel<4, ANY_Q8><<<grid, block, 0, st>>>(launch, cols, x, xq, n, NULL, eps); break;
-    default: qc_gemv_multi_kernel<8, ANY_Q8><<<grid, block, 0, st>>>(launch, cols, x, xq, n, NULL, eps); break;
+    case 1: qc_launch(cu, qc_gemv_multi_kernel<1, ANY_Q8>, grid, block, 0, QC_ARGS_); break;
+    case 2: qc_launch(cu, qc_gemv_multi_kernel<2, ANY_Q8>, grid, block, 0, QC_ARGS_); break;
+    case 4: qc_launch(cu, qc_gemv_multi_kernel<4, ANY_Q8>, grid, block, 0, QC_ARGS_); break;
+    default: qc_launch(cu, qc_gemv_multi_kernel<8, ANY_Q8>, grid, block, 0, QC_ARGS_); break;
     }
+#undef QC_ARGS_
 }
 
 int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
@@ -137,7 +142,7 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
             return -1;
         if (all_q8) norm_w = NULL;
     }
-    if (launch.any_q8) launch_multi<true>(launch, grid, cols, x, xq, n, norm_w, eps, cu->stream);
-    else launch_multi<false>(launch, grid, cols, x, xq, n, norm_w, eps, cu->stream);
+    if (launch.any_q8) launch_multi<true>(launch, grid, cols, x, xq, n, norm_w, eps, cu);
+    else launch_multi<false>(launch, grid, cols, x, xq, n, norm_w, eps, cu);
     return QC_LAUNCHED(be, "qc_gemv_multi_kernel");
 }

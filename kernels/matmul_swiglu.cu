@@ -27,12 +27,15 @@ qc_gemv_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict_
                       int n, const float *__restrict__ norm_w, float eps, float *__restrict__ act) {
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    const int lane = threadIdx.x & 31;
+    const int64_t r0 = (int64_t)blockIdx.x * QC_GEMV_WARPS, r = r0 + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * NT;
+    qc_gemv_prefetch(Wg, row_bytes, r0, QC_GEMV_WARPS, rows);
+    qc_gemv_prefetch(Wu, row_bytes, r0, QC_GEMV_WARPS, rows);
+    qc_grid_start();
     if constexpr (NT == 1) {
         if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
     }
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
-    const int t0 = blockIdx.y * NT;
     if (r >= rows) return;   /* whole warps leave together: the shuffles stay full */
     float g[NT], u[NT];
     if (NT == 1 && norm_w) qc_gemv_row2<T, NT, true>(Wg + r * row_bytes, Wu + r * row_bytes, cols, xs, n, t0, lane, g, u);
@@ -51,8 +54,11 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restri
                          int64_t row_bytes, int64_t rows, int64_t cols, const qc_q8x xq, int n,
                          float *__restrict__ act) {
     const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
+    const int64_t r0 = (int64_t)blockIdx.x * QC_GEMV_WARPS, r = r0 + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * NT;
+    qc_gemv_prefetch(Wg, row_bytes, r0, QC_GEMV_WARPS, rows);
+    qc_gemv_prefetch(Wu, row_bytes, r0, QC_GEMV_WARPS, rows);
+    qc_grid_start();
     if (r >= rows) return;
     float g[NT], u[NT];
     qc_gemv_q8_row2<T, NT>(Wg + r * row_bytes, Wu + r * row_bytes, cols, xq, n, t0, lane, g, u);
@@ -74,12 +80,15 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
                             const float *__restrict__ norm_w, float eps, float *__restrict__ act) {
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    const int lane = threadIdx.x & 31;
+    const int64_t r0 = (int64_t)blockIdx.x * QC_GEMV_WARPS, r = r0 + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * NT;
+    qc_gemv_prefetch(Wg, gate_row_bytes, r0, QC_GEMV_WARPS, rows);
+    qc_gemv_prefetch(Wu, up_row_bytes, r0, QC_GEMV_WARPS, rows);
+    qc_grid_start();
     if constexpr (NT == 1) {
         if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
     }
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
-    const int t0 = blockIdx.y * NT;
     if (r >= rows) return;
     const float *xsn = NT == 1 && norm_w ? xs : NULL;
     float g[NT], u[NT];
@@ -93,48 +102,54 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
 
 template <int T>
 static void launch_swiglu_q8(const qc_weight *w_gate, const qc_weight *w_up, const qc_q8x &xq, int n,
-                             float *act, dim3 grid, cudaStream_t st) {
+                             float *act, dim3 grid, const qc_cuda *cu) {
     const int64_t rb = qc_row_bytes_t<T>(w_gate->cols);
     const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
     const dim3 block(32 * QC_GEMV_WARPS);
     const int64_t rows = w_gate->rows, cols = w_gate->cols;
+#define QC_ARGS_ Wg, Wu, rb, rows, cols, xq, n, act
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_q8_swiglu_kernel<T, 1><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, xq, n, act); break;
-    case 2: qc_gemv_q8_swiglu_kernel<T, 2><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, xq, n, act); break;
-    case 4: qc_gemv_q8_swiglu_kernel<T, 4><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, xq, n, act); break;
-    default: qc_gemv_q8_swiglu_kernel<T, 8><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, xq, n, act); break;
+    case 1: qc_launch(cu, qc_gemv_q8_swiglu_kernel<T, 1>, grid, block, 0, QC_ARGS_); break;
+    case 2: qc_launch(cu, qc_gemv_q8_swiglu_kernel<T, 2>, grid, block, 0, QC_ARGS_); break;
+    case 4: qc_launch(cu, qc_gemv_q8_swiglu_kernel<T, 4>, grid, block, 0, QC_ARGS_); break;
+    default: qc_launch(cu, qc_gemv_q8_swiglu_kernel<T, 8>, grid, block, 0, QC_ARGS_); break;
     }
+#undef QC_ARGS_
 }
 
 template <int T>
 static void launch_swiglu(const qc_weight *w_gate, const qc_weight *w_up, const float *x, int n,
-                          const float *nw, float eps, float *act, dim3 grid, cudaStream_t st) {
+                          const float *nw, float eps, float *act, dim3 grid, const qc_cuda *cu) {
     const int64_t rb = qc_row_bytes_t<T>(w_gate->cols);
     const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
     const dim3 block(32 * QC_GEMV_WARPS);
     const int64_t rows = w_gate->rows, cols = w_gate->cols;
+#define QC_ARGS_ Wg, Wu, rb, rows, cols, x, n, nw, eps, act
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_swiglu_kernel<T, 1><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, nw, eps, act); break;
-    case 2: qc_gemv_swiglu_kernel<T, 2><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, NULL, eps, act); break;
-    case 4: qc_gemv_swiglu_kernel<T, 4><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, NULL, eps, act); break;
-    default: qc_gemv_swiglu_kernel<T, 8><<<grid, block, 0, st>>>(Wg, Wu, rb, rows, cols, x, n, NULL, eps, act); break;
+    case 1: qc_launch(cu, qc_gemv_swiglu_kernel<T, 1>, grid, block, 0, QC_ARGS_); break;
+    case 2: qc_launch(cu, qc_gemv_swiglu_kernel<T, 2>, grid, block, 0, QC_ARGS_); break;
+    case 4: qc_launch(cu, qc_gemv_swiglu_kernel<T, 4>, grid, block, 0, QC_ARGS_); break;
+    default: qc_launch(cu, qc_gemv_swiglu_kernel<T, 8>, grid, block, 0, QC_ARGS_); break;
     }
+#undef QC_ARGS_
 }
 
 static void launch_swiglu_mixed(const qc_weight *w_gate, int gate_q8, const qc_weight *w_up, int up_q8,
                                 const float *x, const qc_q8x &xq, int n, const float *nw, float eps,
-                                float *act, dim3 grid, cudaStream_t st) {
+                                float *act, dim3 grid, const qc_cuda *cu) {
     const int64_t cols = w_gate->cols, rows = w_gate->rows;
     const int64_t grb = qc_row_bytes(w_gate->type, cols), urb = qc_row_bytes(w_up->type, cols);
     const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
     const uint32_t gt = w_gate->type, ut = w_up->type;
     const dim3 block(32 * QC_GEMV_WARPS);
+#define QC_ARGS_ Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, nw, eps, act
     switch (qc_gemv_tokens_per_block(n)) {
-    case 1: qc_gemv_swiglu_mixed_kernel<1><<<grid, block, 0, st>>>(Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, nw, eps, act); break;
-    case 2: qc_gemv_swiglu_mixed_kernel<2><<<grid, block, 0, st>>>(Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, NULL, eps, act); break;
-    case 4: qc_gemv_swiglu_mixed_kernel<4><<<grid, block, 0, st>>>(Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, NULL, eps, act); break;
-    default: qc_gemv_swiglu_mixed_kernel<8><<<grid, block, 0, st>>>(Wg, grb, gt, gate_q8, Wu, urb, ut, up_q8, rows, cols, x, xq, n, NULL, eps, act); break;
+    case 1: qc_launch(cu, qc_gemv_swiglu_mixed_kernel<1>, grid, block, 0, QC_ARGS_); break;
+    case 2: qc_launch(cu, qc_gemv_swiglu_mixed_kernel<2>, grid, block, 0, QC_ARGS_); break;
+    case 4: qc_launch(cu, qc_gemv_swiglu_mixed_kernel<4>, grid, block, 0, QC_ARGS_); break;
+    default: qc_launch(cu, qc_gemv_swiglu_mixed_kernel<8>, grid, block, 0, QC_ARGS_); break;
     }
+#undef QC_ARGS_
 }
 
 int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
@@ -176,19 +191,19 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
         if (gate_q8 && up_q8) norm_w = NULL;
     }
     if (w_gate->type != w_up->type) {
-        launch_swiglu_mixed(w_gate, gate_q8, w_up, up_q8, x, xq, n, norm_w, eps, act, grid, cu->stream);
+        launch_swiglu_mixed(w_gate, gate_q8, w_up, up_q8, x, xq, n, norm_w, eps, act, grid, cu);
         return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");
     }
     if (gate_q8) {
         switch (w_gate->type) {
-#define QC_CASE_(T) case T: launch_swiglu_q8<T>(w_gate, w_up, xq, n, act, grid, cu->stream); break;
+#define QC_CASE_(T) case T: launch_swiglu_q8<T>(w_gate, w_up, xq, n, act, grid, cu); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
         }
         return QC_LAUNCHED(be, "qc_gemv_q8_swiglu_kernel");
     }
     switch (w_gate->type) {
-#define QC_CASE_(T) case T: launch_swiglu<T>(w_gate, w_up, x, n, norm_w, eps, act, grid, cu->stream); break;
+#define QC_CASE_(T) case T: launch_swiglu<T>(w_gate, w_up, x, n, norm_w, eps, act, grid, cu); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }

@@ -209,6 +209,21 @@ __device__ __forceinline__ void qc_att_merge_splits(const float *p, int splits, 
  * groups * (2 + head_dim) floats; weight: 32 floats; last_block: one int, all in shared memory.
  * attention.cu's split kernel is one call of it (AHEAD: qc_att_keys); the persistent decode
  * kernel (decode_step.cu) calls it for each (head, split) its block takes. */
+/* Ask L2 for the K and V rows of the keys qc_att_split_block's group will read (first, first +
+ * stride, ... <= last), head kvh: before qc_grid_start. A hint only: L2 is where every write
+ * lands, so a row the kernel before writes (the new key) is still read as written. */
+template <int G, typename KV>
+__device__ __forceinline__ void qc_att_prefetch_keys(const KV *k_cache, const KV *v_cache, int kvh, int kv_dim,
+                                                     int head_dim, int first, int stride, int last) {
+    const int lane = threadIdx.x % G;
+    const int row_bytes = head_dim * (int)sizeof(KV);
+    for (int j = first; j <= last; j += stride)
+        for (int b = 128 * lane; b < row_bytes; b += 128 * G) {
+            qc_prefetch_line_l2((const char *)(k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim) + b);
+            qc_prefetch_line_l2((const char *)(v_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim) + b);
+        }
+}
+
 template <int G, typename KV, bool AHEAD = false>
 __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_cache, const KV *v_cache,
                                                    int last_key, int h, int split, int splits, int t,

@@ -54,6 +54,9 @@ typedef struct qc_cuda {
      * launch: the grid barrier (QC_DEC_SYNC_BARRIER) and one per block of 32 act values */
     int coop_launch;
     unsigned int *dec_sync;
+    /* every op kernel is launched as a programmatic dependent launch (qc_launch below): the
+     * device and the kernels' code are sm_90 or newer, and QWENCUDA_PDL is not "0" at creation */
+    int pdl;
 } qc_cuda;
 #define QC_DEC_SYNC_BARRIER 2
 #define QC_DEC_SYNC_WORDS (QC_DEC_SYNC_BARRIER + 65536 / 32)
@@ -145,6 +148,62 @@ int qc_cuda_to_half(qc_backend *be, const float *src, void *dst, int64_t count);
  * the inlined expf can differ between the two kernels: they agree bit for bit. */
 __device__ __forceinline__ float qc_silu_mul(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+/* ---- programmatic dependent launch (PDL, sm_90+) ----
+ * A decode step is ~250 small kernels, each a few microseconds; between two of them the GPU
+ * used to drain the first, then launch, schedule and ramp up the second, with no weight in
+ * flight. With PDL the next kernel's blocks are scheduled while the current kernel still runs:
+ * they prefetch their weights (which no kernel writes) and then wait in qc_grid_start until
+ * every earlier kernel has finished and its writes are visible.
+ *
+ * The rule every kernel follows: each thread calls qc_grid_start() before it reads anything a
+ * kernel writes (activations, caches, counters, logits) and before it writes anything, and
+ * before it returns, so that no grid can finish before the grid it depends on. Before that call
+ * it may only read what no kernel writes: weights (or prefetch them, qc_prefetch_l2), and the
+ * token ids and positions, which the host uploads by copies (a copy in the stream completes
+ * before any later kernel starts; the PDL edge exists only between two kernels). qc_grid_start
+ * then lets the next kernel launch, so at most two grids of a stream are in flight. Without
+ * PDL (older GPUs, kernels built for them, QWENCUDA_PDL=0, the cooperative persistent kernel)
+ * it costs nothing: the wait of a grid launched without the attribute returns at once. */
+__device__ __forceinline__ void qc_grid_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* Ask L2 for the 128-byte line of p. A hint: no fault, no result, nothing to wait for. */
+__device__ __forceinline__ void qc_prefetch_line_l2(const void *p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
+/* The lines of bytes [p, p + bytes), spread over the block's threads; for weights before
+ * qc_grid_start. */
+__device__ __forceinline__ void qc_prefetch_l2(const void *p, int64_t bytes) {
+    const char *c = (const char *)((uintptr_t)p & ~(uintptr_t)127);
+    const char *end = (const char *)p + bytes;
+    for (c += 128 * (int64_t)threadIdx.x; c < end; c += 128 * (int64_t)blockDim.x) qc_prefetch_line_l2(c);
+}
+
+/* kernel<<<grid, block, smem, cu->stream>>>(args...), as a programmatic dependent launch where
+ * cu->pdl; a bad configuration surfaces in QC_LAUNCHED, as it does after <<<>>>. */
+template <typename... Params, typename... Args>
+static inline void qc_launch(const qc_cuda *cu, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             Args &&...args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = cu->stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = cu->pdl ? 1 : 0;
+    (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<Args &&>(args)...);
 }
 
 /* Grid size for a grid-stride loop over count items with `threads` per block. */

@@ -19,6 +19,7 @@ qc_rmsnorm_kernel(const float *__restrict__ x, const float *__restrict__ w, int 
                   float *__restrict__ out) {
     __shared__ float warp_sums[QC_NORM_THREADS / 32];
     __shared__ float scale_s;
+    qc_grid_start();
     const float *xr = x + (int64_t)blockIdx.x * dim;
     float *o = out + (int64_t)blockIdx.x * dim;
     const int tid = threadIdx.x;
@@ -75,9 +76,9 @@ int qc_cuda_rmsnorm(qc_backend *be, const float *x, const float *w, int n, int d
     qc_cuda *cu = qc_cuda_of(be);
     if (n <= 0 || dim <= 0) return 0;
     const dim3 grid((unsigned)n), block(QC_NORM_THREADS);
-    if (dim <= 8 * QC_NORM_THREADS) qc_rmsnorm_kernel<8><<<grid, block, 0, cu->stream>>>(x, w, dim, eps, out);
-    else if (dim <= 16 * QC_NORM_THREADS) qc_rmsnorm_kernel<16><<<grid, block, 0, cu->stream>>>(x, w, dim, eps, out);
-    else if (dim <= 32 * QC_NORM_THREADS) qc_rmsnorm_kernel<32><<<grid, block, 0, cu->stream>>>(x, w, dim, eps, out);
-    else qc_rmsnorm_kernel<0><<<grid, block, 0, cu->stream>>>(x, w, dim, eps, out);
+    if (dim <= 8 * QC_NORM_THREADS) qc_launch(cu, qc_rmsnorm_kernel<8>, grid, block, 0, x, w, dim, eps, out);
+    else if (dim <= 16 * QC_NORM_THREADS) qc_launch(cu, qc_rmsnorm_kernel<16>, grid, block, 0, x, w, dim, eps, out);
+    else if (dim <= 32 * QC_NORM_THREADS) qc_launch(cu, qc_rmsnorm_kernel<32>, grid, block, 0, x, w, dim, eps, out);
+    else qc_launch(cu, qc_rmsnorm_kernel<0>, grid, block, 0, x, w, dim, eps, out);
     return QC_LAUNCHED(be, "qc_rmsnorm_kernel");
 }

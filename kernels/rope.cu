@@ -22,6 +22,7 @@ __device__ __forceinline__ float2 qc_rope_pair(float *v, int i, int head_dim, in
 
 __global__ void qc_rope_kernel(float *__restrict__ x, const int32_t *__restrict__ pos, int n,
                                int n_heads, int head_dim, double theta) {
+    qc_grid_start();
     const int half = head_dim / 2;
     const int64_t total = (int64_t)n * n_heads * half;
     for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
@@ -39,8 +40,8 @@ int qc_cuda_rope(qc_backend *be, float *x, const int32_t *pos, int n, int n_head
     if (head_dim % 2 != 0) return qc_cuda_value_error(be, "rope: head_dim %d is odd", head_dim);
     const int64_t total = (int64_t)n * n_heads * (head_dim / 2);
     if (total <= 0) return 0;
-    qc_rope_kernel<<<qc_grid_for(total, 256, 65535), 256, 0, cu->stream>>>(
-        x, pos, n, n_heads, head_dim, (double)theta);
+    qc_launch(cu, qc_rope_kernel, dim3(qc_grid_for(total, 256, 65535)), dim3(256), 0, x, pos, n, n_heads,
+              head_dim, (double)theta);
     return QC_LAUNCHED(be, "qc_rope_kernel");
 }
 
@@ -58,18 +59,27 @@ __global__ void qc_rope_kv_store_kernel(float *__restrict__ q, float *__restrict
     const int64_t pairs = (int64_t)(n_head + n_head_kv) * half;
     const int64_t per_token = pairs + kv_dim;
     const int64_t total = (int64_t)n * per_token;
-    for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
-         idx += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t first = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    /* the angle of this thread's first pair (a decode step has one item a thread), before the
+     * wait: it needs only the position, which the host uploads (qc_grid_start's rule) */
+    double2 cs_first = make_double2(1.0, 0.0);
+    if (first < total && first % per_token < pairs)
+        cs_first = qc_rope_angle((int)(first % per_token % half), head_dim, pos[first / per_token], theta);
+    qc_grid_start();
+    for (int64_t idx = first; idx < total; idx += (int64_t)gridDim.x * blockDim.x) {
         const int t = (int)(idx / per_token);
         const int64_t item = idx % per_token;
         const int64_t row = (int64_t)pos[t] * kv_dim;   /* this token's cache row */
         if (item < pairs) {
             const int h = (int)(item / half), i = (int)(item % half);
-            if (h < n_head) {
-                qc_rope_pair(q + ((int64_t)t * n_head + h) * head_dim, i, head_dim, pos[t], theta);
-            } else {
+            const double2 cs = idx == first ? cs_first : qc_rope_angle(i, head_dim, pos[t], theta);
+            float *x = h < n_head ? q + ((int64_t)t * n_head + h) * head_dim
+                                  : k + t * kv_dim + (int64_t)(h - n_head) * head_dim;
+            const float2 rot = qc_rope_apply(x[i], x[i + half], cs);
+            x[i] = rot.x;
+            x[i + half] = rot.y;
+            if (h >= n_head) {
                 const int64_t off = (int64_t)(h - n_head) * head_dim;   /* KV head within the row */
-                const float2 rot = qc_rope_pair(k + t * kv_dim + off, i, head_dim, pos[t], theta);
                 qc_kv_put(k_cache + row + off + i, rot.x);
                 qc_kv_put(k_cache + row + off + i + half, rot.y);
             }
@@ -91,11 +101,11 @@ int qc_cuda_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, co
     if (total <= 0) return 0;
     const unsigned grid = qc_grid_for(total, 256, 65535);
     if (cache.type == QC_KV_F16)
-        qc_rope_kv_store_kernel<__half><<<grid, 256, 0, cu->stream>>>(
-            q, k, v, pos, n, n_head, n_head_kv, head_dim, (double)theta, (__half *)cache.k, (__half *)cache.v);
+        qc_launch(cu, qc_rope_kv_store_kernel<__half>, dim3(grid), dim3(256), 0, q, k, v, pos, n, n_head,
+                  n_head_kv, head_dim, (double)theta, (__half *)cache.k, (__half *)cache.v);
     else if (cache.type == QC_KV_F32)
-        qc_rope_kv_store_kernel<float><<<grid, 256, 0, cu->stream>>>(
-            q, k, v, pos, n, n_head, n_head_kv, head_dim, (double)theta, (float *)cache.k, (float *)cache.v);
+        qc_launch(cu, qc_rope_kv_store_kernel<float>, dim3(grid), dim3(256), 0, q, k, v, pos, n, n_head,
+                  n_head_kv, head_dim, (double)theta, (float *)cache.k, (float *)cache.v);
     else
         return qc_cuda_value_error(be, "rope_kv_store: unknown KV cache type %d", cache.type);
     return QC_LAUNCHED(be, "qc_rope_kv_store_kernel");

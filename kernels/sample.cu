@@ -340,6 +340,7 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
     __shared__ int sh_i[QC_SAMPLE_WARPS];
     __shared__ float sh_v[QC_SAMPLE_WARPS];
     __shared__ qc_boundary sel;
+    qc_grid_start();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float temperature = st->temperature, penalty = st->repeat_penalty;
     const int n_history = st->n_history;
@@ -483,7 +484,7 @@ int qc_cuda_sample(qc_backend *be, const float *logits, int64_t n_vocab, const v
     float *v = (float *)work;
     double *mass = (double *)((char *)work + (((size_t)n_vocab * sizeof(float) + 7) & ~(size_t)7));
     int *list = (int *)(mass + n_vocab);
-    qc_sample_kernel<<<1, QC_SAMPLE_THREADS, 0, qc_cuda_of(be)->stream>>>(
-        logits, (int)n_vocab, (const qc_sample_state *)state, v, mass, list, (qc_sample_result *)result);
+    qc_launch(qc_cuda_of(be), qc_sample_kernel, dim3(1), dim3(QC_SAMPLE_THREADS), 0, logits, (int)n_vocab,
+              (const qc_sample_state *)state, v, mass, list, (qc_sample_result *)result);
     return QC_LAUNCHED(be, "qc_sample_kernel");
 }

@@ -71,6 +71,41 @@ def _type_mix(types):
     return dict(sorted(mix.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def decode_bytes_per_token(model_path, kv_type, keys, kv_dim, n_layer):
+    """What one decode step must read from memory, in bytes: every weight of the layers, the
+    output norm and the lm_head (token_embd when tied), one embedding row, and each layer's
+    cached keys and values (`keys` of them, kv_dim wide, 2 or 4 bytes each) -> (weights, kv).
+    The bound on tokens/s is a device's memory bandwidth over their sum."""
+    from .gguf import GGUFFile
+
+    with GGUFFile(model_path) as f:
+        t = f.tensors
+        weights = sum(info.nbytes for name, info in t.items() if name.startswith("blk."))
+        weights += t["output_norm.weight"].nbytes if "output_norm.weight" in t else 0
+        embd = t["token_embd.weight"]
+        if "output.weight" in t:
+            weights += t["output.weight"].nbytes + embd.nbytes // embd.shape[0]
+        else:
+            weights += embd.nbytes
+    kv = 2 * n_layer * keys * kv_dim * (2 if kv_type == "f16" else 4)
+    return weights, kv
+
+
+def _peak_bandwidth(device):
+    """The memory bandwidth bound of a CUDA device in bytes/s (from its peak memory clock and
+    bus width), or None."""
+    if not str(device).startswith("cuda"):
+        return None
+    try:
+        from . import _core
+
+        index = int(device.split(":")[1]) if device.count(":") >= 1 and device.split(":")[1].isdigit() else 0
+        peak = _core.cuda_device_info(index)["peak_bandwidth"]
+        return peak if peak > 0 else None
+    except Exception:   # noqa: BLE001 - a bench without the bound is still a bench
+        return None
+
+
 def _one_round(model, ids, gen_tokens, depth=0, kv_type=None, fill=None):
     from .sampling import Sampler
 
@@ -114,6 +149,11 @@ def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repe
             kv = s.kv_type
         types = model.tensor_types()
         p_med, d_med = statistics.median(prefill_s), statistics.median(decode_s)
+        decode_tok_s = gen_tokens / d_med if d_med > 0 and gen_tokens else 0.0
+        # the decode steps attend to depth + prompt + 1 .. depth + prompt + gen keys: their mean
+        w_bytes, kv_bytes = decode_bytes_per_token(model_path, kv, depth + prompt_tokens + (gen_tokens + 1) / 2,
+                                                   cfg.n_head_kv * cfg.head_dim, cfg.n_layer)
+        peak = _peak_bandwidth(model.device)
         return {
             "model": os.path.basename(model_path),
             "model_path": os.fspath(model_path),
@@ -136,7 +176,11 @@ def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repe
             "prefill_s": prefill_s,
             "decode_s": decode_s,
             "prefill_tok_s": prompt_tokens / p_med if p_med > 0 else float("inf"),
-            "decode_tok_s": gen_tokens / d_med if d_med > 0 and gen_tokens else 0.0,
+            "decode_tok_s": decode_tok_s,
+            "decode_weight_bytes": w_bytes,
+            "decode_kv_bytes": kv_bytes,
+            "decode_bandwidth": (w_bytes + kv_bytes) * decode_tok_s,
+            "peak_bandwidth": peak,
         }
     finally:
         model.close()
@@ -159,6 +203,15 @@ def format_bench(result) -> str:
         f"(median of {r['repeats']}, range {spread(r['prefill_s'], r['prompt_tokens'])})",
         f"  decode  {r['gen_tokens']:>5} tokens at depth {r.get('depth', 0) + r['prompt_tokens']:>5}: "
         f"{r['decode_tok_s']:8.1f} tok/s (median of {r['repeats']}, range {spread(r['decode_s'], r['gen_tokens'])})",
-        f"  load {r['load_s']:.2f} s",
     ]
+    if r.get("decode_bandwidth"):
+        line = (f"  decode reads {(r['decode_weight_bytes'] + r['decode_kv_bytes']) / 1e6:.1f} MB a token "
+                f"({r['decode_weight_bytes'] / 1e6:.1f} MB of weights, {r['decode_kv_bytes'] / 1e6:.1f} MB of KV cache): "
+                f"{r['decode_bandwidth'] / 1e9:.0f} GB/s")
+        if r.get("peak_bandwidth"):
+            bound = r["peak_bandwidth"] / (r["decode_weight_bytes"] + r["decode_kv_bytes"])
+            line += (f", {100 * r['decode_bandwidth'] / r['peak_bandwidth']:.1f}% of the device's "
+                     f"{r['peak_bandwidth'] / 1e9:.0f} GB/s peak (bound {bound:.0f} tok/s)")
+        lines.append(line)
+    lines.append(f"  load {r['load_s']:.2f} s")
     return "\n".join(lines)

@@ -39,7 +39,7 @@ from . import _core
 __all__ = [
     "Weight", "embed", "dequantize", "rmsnorm", "matmul", "rope", "kv_store", "attention",
     "swiglu", "add", "argmax", "sample", "matmul_add", "matmul_multi", "matmul_swiglu",
-    "rope_kv_store", "release", "cuda_mem_info", "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
+    "rope_kv_store", "release", "cuda_mem_info", "cuda_device_info", "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
 ]
 
 # matmul reads the stored blocks directly (GEMV) up to this many tokens; above, dequant + cuBLAS
@@ -462,3 +462,10 @@ def release(device=None):
 def cuda_mem_info(device=0):
     """(free_bytes, total_bytes) of CUDA device `device` (cudaMemGetInfo); CudaError without one."""
     return _core.cuda_mem_info(int(device))
+
+
+def cuda_device_info(device=0):
+    """dict of CUDA device `device`: mem_clock_khz and bus_width_bits (its peak memory clock and
+    bus), peak_bandwidth (bytes/s: 2 transfers a clock over the bus), sm_count and
+    compute_capability; CudaError without one."""
+    return _core.cuda_device_info(int(device))

@@ -11,6 +11,12 @@
     python scripts/profile_decode.py torch MODEL [PROMPT_TOKENS] [STEPS]
         the same run and report in one process, timed by torch.profiler (CUPTI) where Nsight
         Compute is not installed; needs torch with CUDA.
+    python scripts/profile_decode.py timeline MODEL [PROMPT_TOKENS] [STEPS]
+        the decode step as it really runs (the recorded CUDA graph, programmatic dependent
+        launches and all), from torch.profiler's start and end times: per kernel name, how far
+        it moved the step's end (its end minus the latest end before it; what a kernel hides
+        under another costs nothing), next to its own duration; their sum is the step's time
+        on the GPU. Needs torch with CUDA.
 """
 import csv
 import os
@@ -18,8 +24,9 @@ import sys
 from collections import defaultdict
 
 
-def run(model, prompt_tokens=512, steps=3):
-    os.environ["QWENCUDA_NO_GRAPHS"] = "1"
+def run(model, prompt_tokens=512, steps=3, graphs=False):
+    if not graphs:
+        os.environ["QWENCUDA_NO_GRAPHS"] = "1"
     import qwencuda
 
     with qwencuda.Model(model, device="cuda") as m, m.session(max_context=prompt_tokens + steps + 1) as s:
@@ -43,16 +50,45 @@ def ncu_launches(path):
     return launches
 
 
-def torch_launches(model, prompt_tokens=512, steps=3):
-    """(kernel name, ns) of every launch of run(), in launch order, from torch.profiler."""
+def torch_kernels(model, prompt_tokens=512, steps=3, graphs=False):
+    """(kernel name, start ns, end ns) of every kernel of run(), in start order, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(model, prompt_tokens, steps)
+        run(model, prompt_tokens, steps, graphs)
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
                and "memset" not in e.name.lower()]
     kernels.sort(key=lambda e: e.time_range.start)
-    return [(e.name, (e.time_range.end - e.time_range.start) * 1e3) for e in kernels]
+    return [(e.name, e.time_range.start * 1e3, e.time_range.end * 1e3) for e in kernels]
+
+
+def torch_launches(model, prompt_tokens=512, steps=3):
+    """(kernel name, ns) of every launch of run(), in launch order, from torch.profiler."""
+    return [(name, end - start) for name, start, end in torch_kernels(model, prompt_tokens, steps)]
+
+
+def timeline(kernels):
+    """The last decode step of a graph run (the kernels after the second-to-last argmax): per
+    kernel name, how far it moved the step's end, and its own time."""
+    ends = [i for i, (name, _, _) in enumerate(kernels) if "argmax" in name]
+    if len(ends) < 2:
+        raise SystemExit("need at least two evals (argmax launches) in the profile")
+    step = kernels[ends[-2] + 1: ends[-1] + 1]
+    frontier = step[0][1]
+    by_name = defaultdict(lambda: [0, 0.0, 0.0])
+    for name, start, end in step:
+        short = name.split("(")[0]
+        by_name[short][0] += 1
+        by_name[short][1] += max(0.0, end - frontier)   # the gap before it, if any, included
+        by_name[short][2] += end - start
+        frontier = max(frontier, end)
+    wall = frontier - step[0][1]
+    busy = sum(v[2] for v in by_name.values())
+    print(f"one decode step: {len(step)} kernels, {wall / 1e3:.1f} us from the first start to the last end, "
+          f"{busy / 1e3:.1f} us of kernel time")
+    print(f"{'kernel':60s} {'count':>5s} {'step us':>9s} {'share':>6s} {'own us':>9s}")
+    for name, (count, adv, own) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name[:60]:60s} {count:5d} {adv / 1e3:9.1f} {100 * adv / wall:5.1f}% {own / 1e3:9.1f}")
 
 
 def report(launches):
@@ -77,6 +113,8 @@ if __name__ == "__main__":
         run(sys.argv[2], *(int(a) for a in sys.argv[3:5]))
     elif len(sys.argv) >= 3 and sys.argv[1] == "torch":
         report(torch_launches(sys.argv[2], *(int(a) for a in sys.argv[3:5])))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "timeline":
+        timeline(torch_kernels(sys.argv[2], *(int(a) for a in sys.argv[3:5]), graphs=True))
     elif len(sys.argv) == 3 and sys.argv[1] == "report":
         report(ncu_launches(sys.argv[2]))
     else:

@@ -186,6 +186,29 @@ def test_replayed_decode_equals_op_by_op(synth_dir, weight_type):
             both([ids[56]], ids[57:60])
 
 
+@pytest.mark.parametrize("weight_type", ["f16", "q4_k_m"])
+def test_dependent_launches_change_no_bit(synth_dir, weight_type, monkeypatch):
+    """On sm_90+ every op kernel is a programmatic dependent launch (kernels/qc_cuda.cuh): it
+    starts early and waits on the GPU for its inputs. That moves when work starts, never what it
+    computes: prefill and replayed decode steps give the same logits, bit for bit, as a backend
+    made with QWENCUDA_PDL=0 (plain launches). A kernel that read its inputs before its wait
+    would race and differ."""
+    path = synth(synth_dir, "tiny-gqa7", weight_type)
+    ids = [int(t) for t in _ids(40, 400, seed=9)]
+
+    def run():
+        with qwencuda.Model(path, device="cuda") as m, m.session(max_context=64) as s:
+            out = [s.prefill(ids[:30], logits="all").logits]
+            out += [s.step(t).logits for t in ids[30:]]
+            return out
+
+    monkeypatch.setenv("QWENCUDA_PDL", "0")
+    plain = run()
+    monkeypatch.delenv("QWENCUDA_PDL")
+    for a, b in zip(run(), plain):
+        np.testing.assert_array_equal(a, b)
+
+
 # --------------------------------------------------------------------------------------------
 # 0.5B shapes: greedy generation against the CPU engine
 

@@ -407,5 +407,23 @@ def test_run_bench_and_format_bench():
     assert r["machine"]["cpu"] and r["machine"]["gpu"] is None
     text = format_bench(r)
     assert "prefill" in text and "decode" in text and "tok/s" in text and "Q8_0 x16" in text
+    # what a decode step reads, from the gguf package's tensor table: the layers, the output norm,
+    # the lm_head (token_embd when tied) or else one embedding row; the cache at the mean depth
+    import gguf
+
+    reader = gguf.GGUFReader(model_file("tiny", "q8_0"))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    want = sum(v for k, v in sizes.items() if k.startswith("blk.")) + sizes["output_norm.weight"]
+    with qc.Model(model_file("tiny", "q8_0")) as m:
+        cfg = m.config
+    if "output.weight" in sizes:
+        want += sizes["output.weight"] + sizes["token_embd.weight"] // cfg.n_vocab
+    else:
+        want += sizes["token_embd.weight"]
+    assert r["decode_weight_bytes"] == want
+    keys = 8 + (4 + 1) / 2
+    assert r["decode_kv_bytes"] == 2 * cfg.n_layer * keys * cfg.n_head_kv * cfg.head_dim * (2 if r["kv_type"] == "f16" else 4)
+    assert r["decode_bandwidth"] == pytest.approx((want + r["decode_kv_bytes"]) * r["decode_tok_s"])
+    assert r["peak_bandwidth"] is None and "GB/s" in text   # the CPU has no stated bound
     with pytest.raises(ValueError):
         run_bench(model_file("tiny"), "cpu", prompt_tokens=0)

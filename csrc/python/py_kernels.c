@@ -1222,6 +1222,28 @@ static PyObject *cuda_mem_info(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* cuda_device_info(device=0) -> dict: the peak memory clock (kHz), bus width (bits), and from
+ * them the peak bandwidth (bytes/s), the multiprocessors and the compute capability. */
+static PyObject *cuda_device_info(PyObject *self, PyObject *args) {
+    (void)self;
+    int device = 0;
+    if (!PyArg_ParseTuple(args, "|i", &device)) return NULL;
+#ifdef QC_HAVE_CUDA
+    qc_cuda_props p = {0};
+    qc_error err = {0};
+    if (qc_cuda_device_props(device, &p, &err) < 0) return qc_py_raise(&err);
+    /* double data rate: two transfers a clock over the whole bus */
+    const double peak = 2.0 * (double)p.mem_clock_khz * 1e3 * (double)p.bus_width_bits / 8.0;
+    return Py_BuildValue("{s:i,s:i,s:d,s:i,s:(ii)}", "mem_clock_khz", p.mem_clock_khz, "bus_width_bits",
+                         p.bus_width_bits, "peak_bandwidth", peak, "sm_count", p.sm_count,
+                         "compute_capability", p.major, p.minor);
+#else
+    qc_error err;
+    qc_fail(&err, QC_ERR_CUDA, "cuda_device_info: this qwencuda was built without CUDA");
+    return qc_py_raise(&err);
+#endif
+}
+
 static PyMethodDef kernel_methods[] = {
     {"kernel_embed", kernel_embed, METH_VARARGS,
      "kernel_embed(device, (raw, type, rows, cols), ids int32 (n,)) -> float32 (n, cols)"},
@@ -1262,6 +1284,8 @@ static PyMethodDef kernel_methods[] = {
      "kernel_release(device=None): destroy the cached kernel backend(s)"},
     {"cuda_mem_info", cuda_mem_info, METH_VARARGS,
      "cuda_mem_info(device=0) -> (free_bytes, total_bytes) of a CUDA device"},
+    {"cuda_device_info", cuda_device_info, METH_VARARGS,
+     "cuda_device_info(device=0) -> dict: peak memory clock, bus width and bandwidth, SMs, capability"},
     {NULL, NULL, 0, NULL},
 };
 
