@@ -286,14 +286,16 @@ __device__ __forceinline__ void qc_gemv_row_any(uint32_t type, const uint8_t *__
 }
 
 /* Before qc_grid_start (qc_cuda.cuh): ask L2 for the block's rows [r0, r0 + nr) of W (rows of
- * row_bytes bytes; those past `rows` skipped), so that under programmatic dependent launch
- * they stream in while the kernel before still runs. Blocks with blockIdx.y > 0 read the same
- * rows for other tokens and leave it to y = 0. */
+ * row_bytes bytes; those past `rows` skipped), at most their first QC_GEMV_PREFETCH_BYTES, so
+ * that under programmatic dependent launch they stream in while the kernel before still runs.
+ * Blocks with blockIdx.y > 0 read the same rows for other tokens and leave it to y = 0. */
+#define QC_GEMV_PREFETCH_BYTES 4096
 __device__ __forceinline__ void qc_gemv_prefetch(const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t nr,
                                                  int64_t rows) {
     if (blockIdx.y != 0 || r0 >= rows) return;
     if (nr > rows - r0) nr = rows - r0;
-    qc_prefetch_l2(W + r0 * row_bytes, nr * row_bytes);
+    const int64_t bytes = nr * row_bytes;
+    qc_prefetch_l2(W + r0 * row_bytes, bytes < QC_GEMV_PREFETCH_BYTES ? bytes : QC_GEMV_PREFETCH_BYTES);
 }
 
 /* Tokens per GEMV block (NT) for an eval of n <= QC_GEMV_MAX_TOKENS tokens, and the grid's y
