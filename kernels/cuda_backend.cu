@@ -242,6 +242,8 @@ static void cu_destroy(qc_backend *be) {
             if (cu->attn_done) cudaFree(cu->attn_done);
             if (cu->q8x) cudaFree(cu->q8x);
             if (cu->dec_sync) cudaFree(cu->dec_sync);
+            if (cu->sample_part) cudaFree(cu->sample_part);
+            if (cu->sample_done) cudaFree(cu->sample_done);
             if (cu->blas) cublasDestroy(cu->blas);
             if (cu->stream) cudaStreamDestroy(cu->stream);
         }
@@ -332,6 +334,9 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_part, QC_ATT_PART_FLOATS * sizeof(float)));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_done, QC_ATT_PAIRS * sizeof(unsigned int)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->attn_done, 0, QC_ATT_PAIRS * sizeof(unsigned int), cu->stream));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->sample_part, QC_SAMPLE_BLOCKS * sizeof(int2)));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->sample_done, sizeof(unsigned int)));
+    QC_CREATE_CHECK(cudaMemsetAsync(cu->sample_done, 0, sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
     /* one normalised row for the fused ops of a decode step (QC_NORM_IN_BLOCK_MAX_COLS): made
      * here, so a recorded step never grows it */

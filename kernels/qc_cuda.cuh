@@ -54,12 +54,21 @@ typedef struct qc_cuda {
      * launch: the grid barrier (QC_DEC_SYNC_BARRIER) and one per block of 32 act values */
     int coop_launch;
     unsigned int *dec_sync;
+    /* the greedy draw's partials, one (value bits, index) per block of a sample launch
+     * (QC_SAMPLE_BLOCKS), and its counter of finished blocks: zeroed at creation, back to zero
+     * after every launch (the last block resets it) */
+    int2 *sample_part;
+    unsigned int *sample_done;
     /* every op kernel is launched as a programmatic dependent launch (qc_launch below): the
      * device and the kernels' code are sm_90 or newer, and QWENCUDA_PDL is not "0" at creation */
     int pdl;
 } qc_cuda;
 #define QC_DEC_SYNC_BARRIER 2
 #define QC_DEC_SYNC_WORDS (QC_DEC_SYNC_BARRIER + 65536 / 32)
+
+/* Blocks of a sample launch: a greedy draw without a penalty (the common decode) splits its
+ * one pass over the logits between them (sample.cu). */
+#define QC_SAMPLE_BLOCKS 32
 
 /* Floats of attn_part: 32 splits x 14 heads x (64 + 2) for a 0.5B decode step is 30k; evals that
  * would need more use the one-block-per-head attention kernel. */

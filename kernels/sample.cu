@@ -331,26 +331,91 @@ __device__ void qc_select_boundary(int n, T need, Cand is_cand, Weight weight, c
     __syncthreads();
 }
 
+/* Is candidate (v, i) better than (bv, bi)? The larger value; of equal values the first id.
+ * bi == INT_MAX: none yet. */
+__device__ __forceinline__ bool qc_sample_better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+/* The block's best (value, first id) over its threads' (bv, bi), in thread 0. */
+__device__ __forceinline__ void qc_sample_block_best(float &bv, int &bi, float *sh_v, int *sh_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (qc_sample_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { sh_v[warp] = bv; sh_i[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < QC_SAMPLE_WARPS; w++)
+            if (qc_sample_better(sh_v[w], sh_i[w], bv, bi)) { bv = sh_v[w]; bi = sh_i[w]; }
+}
+
+/* The greedy draw without a penalty (the common decode): the first largest logit, NaN never
+ * chosen. One block's pass over 150k logits is slow: the argmax kernel's, the same pass, took
+ * 12.6 us of a 0.5B decode step on the H100 (report 7a3514d). So the QC_SAMPLE_BLOCKS blocks
+ * of the launch each take a slice and publish their best (part); the last to finish (done: a
+ * counter, back to 0 after it) combines them in block order, so ties still go to the first id. */
+__device__ void qc_sample_greedy(const float *__restrict__ logits, int n, const qc_sample_state *st,
+                                 qc_sample_result *result, int2 *part, unsigned int *done, float *sh_v,
+                                 int *sh_i) {
+    __shared__ bool last_block;
+    const int per = (n + gridDim.x - 1) / gridDim.x;
+    const int lo = blockIdx.x * per, hi = min(n, lo + per);
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (int i = lo + threadIdx.x; i < hi; i += QC_SAMPLE_THREADS) {
+        const float x = logits[i] != logits[i] ? -INFINITY : logits[i];
+        if (x > bv || bi == INT_MAX) { bv = x; bi = i; }
+    }
+    qc_sample_block_best(bv, bi, sh_v, sh_i);
+    if (threadIdx.x == 0) {
+        part[blockIdx.x] = make_int2(__float_as_int(bv), bi);
+        __threadfence();   /* the partial is visible before it is counted */
+        last_block = atomicAdd(done, 1u) == gridDim.x - 1;
+        if (last_block) {
+            *done = 0;     /* ready for the next launch */
+            __threadfence();
+            bv = -INFINITY;
+            bi = INT_MAX;
+            for (int b = 0; b < (int)gridDim.x; b++) {
+                const int2 pb = __ldcg(part + b);
+                if (qc_sample_better(__int_as_float(pb.x), pb.y, bv, bi)) { bv = __int_as_float(pb.x); bi = pb.y; }
+            }
+            /* every logit NaN or -inf: nothing can be chosen */
+            result->token = bv == -INFINITY ? -1 : bi;
+            result->rng = st->rng;
+            result->pad = 0;
+        }
+    }
+}
+
 __global__ void __launch_bounds__(QC_SAMPLE_THREADS)
 qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state *__restrict__ st,
                  float *__restrict__ v, double *__restrict__ mass, int *__restrict__ list,
-                 qc_sample_result *__restrict__ result) {
+                 qc_sample_result *__restrict__ result, int2 *part, unsigned int *done) {
     __shared__ qc_sample_plan p;
     __shared__ double sh_d[QC_SAMPLE_WARPS];
     __shared__ int sh_i[QC_SAMPLE_WARPS];
     __shared__ float sh_v[QC_SAMPLE_WARPS];
     __shared__ qc_boundary sel;
     qc_grid_start();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     const float temperature = st->temperature, penalty = st->repeat_penalty;
     const int n_history = st->n_history;
     const int32_t *history = (const int32_t *)(st + 1);   /* qc_sample_history, on the device */
 
-    /* greedy without a penalty (the common decode): the first largest logit, one pass, no copy */
+    /* greedy without a penalty: every block (qc_sample_greedy); anything else: block 0 alone */
     const bool plain_greedy = temperature <= 0.0f && (penalty == 1.0f || n_history <= 0);
+    if (plain_greedy) {
+        qc_sample_greedy(logits, n, st, result, part, done, sh_v, sh_i);
+        return;
+    }
+    if (blockIdx.x != 0) return;
 
     /* non-finite handling: NaN is never chosen; -0 becomes +0 so that keys order like floats */
-    for (int i = tid; i < n && !plain_greedy; i += QC_SAMPLE_THREADS) {
+    for (int i = tid; i < n; i += QC_SAMPLE_THREADS) {
         const float x = logits[i];
         v[i] = x != x ? -INFINITY : (x == 0.0f ? 0.0f : x);
     }
@@ -358,7 +423,7 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
 
     /* repetition penalty, once per distinct token: the lowest history slot naming a token
      * applies it (marks in the mass area, which is not in use yet) */
-    if (!plain_greedy && penalty != 1.0f && n_history > 0) {
+    if (penalty != 1.0f && n_history > 0) {
         int *mark = (int *)mass;
         for (int h = tid; h < n_history; h += QC_SAMPLE_THREADS)
             if (history[h] >= 0 && history[h] < n) mark[history[h]] = INT_MAX;
@@ -376,21 +441,12 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
     /* the best value and its first index */
     float bv = -INFINITY;
     int bi = INT_MAX;
-    const float *src = plain_greedy ? logits : v;
     for (int i = tid; i < n; i += QC_SAMPLE_THREADS) {
-        const float x = plain_greedy && src[i] != src[i] ? -INFINITY : src[i];
+        const float x = v[i];
         if (x > bv || bi == INT_MAX) { bv = x; bi = i; }
     }
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-    if (lane == 0) { sh_v[warp] = bv; sh_i[warp] = bi; }
-    __syncthreads();
+    qc_sample_block_best(bv, bi, sh_v, sh_i);
     if (tid == 0) {
-        for (int w = 1; w < QC_SAMPLE_WARPS; w++)
-            if (sh_v[w] > bv || (sh_v[w] == bv && sh_i[w] < bi)) { bv = sh_v[w]; bi = sh_i[w]; }
         memset(&p, 0, sizeof p);
         p.vmax = bv;
         p.best = bi;
@@ -484,7 +540,9 @@ int qc_cuda_sample(qc_backend *be, const float *logits, int64_t n_vocab, const v
     float *v = (float *)work;
     double *mass = (double *)((char *)work + (((size_t)n_vocab * sizeof(float) + 7) & ~(size_t)7));
     int *list = (int *)(mass + n_vocab);
-    qc_launch(qc_cuda_of(be), qc_sample_kernel, dim3(1), dim3(QC_SAMPLE_THREADS), 0, logits, (int)n_vocab,
-              (const qc_sample_state *)state, v, mass, list, (qc_sample_result *)result);
+    qc_cuda *cu = qc_cuda_of(be);
+    qc_launch(cu, qc_sample_kernel, dim3(QC_SAMPLE_BLOCKS), dim3(QC_SAMPLE_THREADS), 0, logits, (int)n_vocab,
+              (const qc_sample_state *)state, v, mass, list, (qc_sample_result *)result, cu->sample_part,
+              cu->sample_done);
     return QC_LAUNCHED(be, "qc_sample_kernel");
 }

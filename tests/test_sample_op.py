@@ -97,6 +97,30 @@ def test_op_errors(device):
     assert [K.sample(row, sp, device=device) for _ in range(5)] == [fresh.sample(row) for _ in range(5)]
 
 
+@pytest.mark.parametrize("n_vocab", [151936, 31, 32, 33, 1000])
+def test_greedy_takes_the_first_largest_logit(device, n_vocab):
+    """A greedy draw without a penalty is split over the blocks of the CUDA launch (a slice of the
+    logits each, then the last block to finish combines them in order): the largest logit wins,
+    of equal ones the first id, whichever slices they fall in; NaN never wins; every logit NaN
+    or -inf is an error. Vocabularies under, at and over the 32 blocks included."""
+    rng = np.random.default_rng(n_vocab)
+    sp = qc.Sampler(n_vocab, temperature=0.0)
+    for trial in range(12):
+        row = rng.standard_normal(n_vocab).astype(np.float32)
+        ids = rng.choice(n_vocab, size=min(4, n_vocab), replace=False)
+        row[ids] = 7.5                                # ties at the top, in several slices
+        if trial % 3 == 1:
+            row[rng.choice(n_vocab, size=max(1, n_vocab // 7), replace=False)] = np.nan
+            row[ids] = 7.5
+        if trial % 3 == 2:
+            row[:] = -np.inf
+            row[ids[-1]] = -1.0                       # one finite value, anywhere
+            ids = ids[-1:]
+        assert K.sample(row, sp, device=device) == int(ids.min()), (n_vocab, trial)
+    with pytest.raises(ValueError, match="NaN or -inf"):
+        K.sample(np.full(n_vocab, -np.inf, np.float32), sp, device=device)
+
+
 # ---------------------------------------------------------------------------------------------
 # a Session drawing on its device
 
