@@ -169,9 +169,11 @@ __device__ __forceinline__ float qc_silu_mul(float g, float u) {
  * The rule every kernel follows: each thread calls qc_grid_start() before it reads anything a
  * kernel writes (activations, caches, counters, logits) and before it writes anything, and
  * before it returns, so that no grid can finish before the grid it depends on. Before that call
- * it may only read what no kernel writes: weights (or prefetch them, qc_prefetch_l2), and the
- * token ids and positions, which the host uploads by copies (a copy in the stream completes
- * before any later kernel starts; the PDL edge exists only between two kernels). qc_grid_start
+ * it may only read what no kernel writes: weights, and the token ids and positions, which the
+ * host uploads by copies (a copy in the stream completes before any later kernel starts; the
+ * PDL edge exists only between two kernels). It may ask L2 for any line (qc_prefetch_line_l2:
+ * a hint that returns no value, and L2 is where every write lands), such as the weights
+ * (qc_gemv_prefetch) or the KV rows a split attention block will read. qc_grid_start
  * then lets the next kernel launch, so at most two grids of a stream are in flight. Without
  * PDL (older GPUs, kernels built for them, QWENCUDA_PDL=0, the cooperative persistent kernel)
  * it costs nothing: the wait of a grid launched without the attribute returns at once. */
