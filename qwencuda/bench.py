@@ -45,6 +45,8 @@ def _gpu_name(device):
 
 
 def _commit():
+    """The checkout's commit (+dirty), else $QWENCUDA_COMMIT (an installed copy has no .git:
+    scripts/gpu_check.sh names the commit it built), else None."""
     here = os.path.dirname(os.path.realpath(__file__))
     try:
         out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
@@ -55,7 +57,7 @@ def _commit():
             return out.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return None
+    return os.environ.get("QWENCUDA_COMMIT") or None
 
 
 def _core_info():

@@ -131,7 +131,8 @@ def header(rows, args):
     l = next((r["llama"] for r in rows if r.get("llama") and r["llama"].get("build_commit")), {})
     m = q.get("machine") or {}
     dev = m.get("gpu") or f"{m.get('cpu', '?')} ({q.get('threads') or m.get('cores')} threads)"
-    s = (f"Device: {dev} ({args.device}). qwencuda {q.get('commit', '?')} (qwencuda.bench.run_bench, "
+    commit = q.get("commit") or "at an unknown commit"
+    s = (f"Device: {dev} ({args.device}). qwencuda {commit} (qwencuda.bench.run_bench, "
          f"median of {args.repeats}); prefill {args.prompt_tokens}, decode {args.gen_tokens} tokens.")
     if args.llama_bench:
         s += (f" llama.cpp {l.get('build_commit', '?')} (llama-bench -ngl 99 -fa 1 -r {args.repeats}"

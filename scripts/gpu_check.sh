@@ -48,6 +48,7 @@ nvcc_version=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1
 export QWENCUDA_CUDA_ARCHS=${QWENCUDA_CUDA_ARCHS:-${cap:-90}}
 # the device tool copies the working tree without .git: GPU_CHECK_COMMIT names the commit then
 commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo nogit)}
+export QWENCUDA_COMMIT=$commit   # what bench prints for the installed copy, which has no .git
 slug=$(echo "${gpu_name:-nogpu}" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '-' | sed 's/-*$//')
 report="bench/results/$(date -u +%Y%m%d)-$commit-$slug.md"
 echo "gpu_check: $gpu_name (driver $driver, sm_$QWENCUDA_CUDA_ARCHS), nvcc $nvcc_version, commit $commit"

@@ -398,6 +398,23 @@ def test_trace_save_load_and_repr(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # bench (figures are reported, never asserted)
 
+def test_bench_commit_outside_a_checkout(monkeypatch):
+    """An installed copy has no .git: bench names $QWENCUDA_COMMIT (gpu_check.sh sets it), else
+    none."""
+    import subprocess
+
+    from qwencuda import bench
+
+    def no_git(*args, **kwargs):
+        raise OSError("no git here")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    monkeypatch.setenv("QWENCUDA_COMMIT", "abc1234")
+    assert bench._commit() == "abc1234"
+    monkeypatch.delenv("QWENCUDA_COMMIT")
+    assert bench._commit() is None
+
+
 def test_run_bench_and_format_bench():
     from qwencuda.bench import format_bench, run_bench
 
