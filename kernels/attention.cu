@@ -92,9 +92,7 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
     const int t = blockIdx.z;
     /* before the wait (qc_grid_start's rule): the position, and L2 asked for this block's keys */
     const int last = pos[t];
-    const int groups = QC_ATT_SPLIT_THREADS / G;
-    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, blockIdx.x / (n_head / n_head_kv), n_head_kv * head_dim, head_dim,
-                                blockIdx.y * groups + threadIdx.x / G, gridDim.y * groups, last);
+    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, blockIdx.x, blockIdx.y, gridDim.y, n_head, n_head_kv, head_dim);
     qc_grid_start();
     qc_att_split_block<G, KV, true>(q, k_cache, v_cache, last, blockIdx.x, blockIdx.y, gridDim.y, t, n_head, n_head_kv,
                               head_dim, scale, part, done, out, nullptr, nullptr, smem, weight, &last_block);

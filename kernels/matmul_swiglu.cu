@@ -18,6 +18,26 @@
 #include "qc_gemv.cuh"
 #include "qc_gemv_q8.cuh"
 
+/* What every gate/up kernel does first: ask L2 for this block's rows of both weights, then wait
+ * for its inputs (qc_grid_start). Every thread calls it. */
+__device__ __forceinline__ void qc_swiglu_start(const uint8_t *Wg, int64_t gate_row_bytes, const uint8_t *Wu,
+                                                int64_t up_row_bytes, int64_t rows) {
+    const int64_t r0 = (int64_t)blockIdx.x * QC_GEMV_WARPS;
+    qc_gemv_prefetch(Wg, gate_row_bytes, r0, QC_GEMV_WARPS, rows);
+    qc_gemv_prefetch(Wu, up_row_bytes, r0, QC_GEMV_WARPS, rows);
+    qc_grid_start();
+}
+
+/* And last: lane 0 writes act = silu(g) * u of row r for the tokens t0 + j < n. */
+template <int NT>
+__device__ __forceinline__ void qc_swiglu_store(const float (&g)[NT], const float (&u)[NT], int lane, int t0, int n,
+                                                int64_t rows, int64_t r, float *__restrict__ act) {
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+}
+
 /* Tokens t0 .. t0 + NT - 1 (those < n) against row blockIdx.x * WARPS + warp of both weights,
  * of one type T. */
 template <int T, int NT>
@@ -28,11 +48,9 @@ qc_gemv_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict_
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
     const int lane = threadIdx.x & 31;
-    const int64_t r0 = (int64_t)blockIdx.x * QC_GEMV_WARPS, r = r0 + (threadIdx.x >> 5);
+    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * NT;
-    qc_gemv_prefetch(Wg, row_bytes, r0, QC_GEMV_WARPS, rows);
-    qc_gemv_prefetch(Wu, row_bytes, r0, QC_GEMV_WARPS, rows);
-    qc_grid_start();
+    qc_swiglu_start(Wg, row_bytes, Wu, row_bytes, rows);
     if constexpr (NT == 1) {
         if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
     }
@@ -40,10 +58,7 @@ qc_gemv_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict_
     float g[NT], u[NT];
     if (NT == 1 && norm_w) qc_gemv_row2<T, NT, true>(Wg + r * row_bytes, Wu + r * row_bytes, cols, xs, n, t0, lane, g, u);
     else qc_gemv_row2<T, NT>(Wg + r * row_bytes, Wu + r * row_bytes, cols, x, n, t0, lane, g, u);
-    if (lane != 0) return;
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+    qc_swiglu_store<NT>(g, u, lane, t0, n, rows, r, act);
 }
 
 /* The same with 8-bit activations (qc_gemv_q8.cuh; x normalised and quantized by the launcher
@@ -54,18 +69,13 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restri
                          int64_t row_bytes, int64_t rows, int64_t cols, const qc_q8x xq, int n,
                          float *__restrict__ act) {
     const int lane = threadIdx.x & 31;
-    const int64_t r0 = (int64_t)blockIdx.x * QC_GEMV_WARPS, r = r0 + (threadIdx.x >> 5);
+    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * NT;
-    qc_gemv_prefetch(Wg, row_bytes, r0, QC_GEMV_WARPS, rows);
-    qc_gemv_prefetch(Wu, row_bytes, r0, QC_GEMV_WARPS, rows);
-    qc_grid_start();
+    qc_swiglu_start(Wg, row_bytes, Wu, row_bytes, rows);
     if (r >= rows) return;
     float g[NT], u[NT];
     qc_gemv_q8_row2<T, NT>(Wg + r * row_bytes, Wu + r * row_bytes, cols, xq, n, t0, lane, g, u);
-    if (lane != 0) return;
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+    qc_swiglu_store<NT>(g, u, lane, t0, n, rows, r, act);
 }
 
 /* A gate and an up weight of different types, one row after the other, each with its own GEMV
@@ -81,11 +91,9 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
     __shared__ float xs[NT == 1 ? QC_NORM_FUSE_MAX_COLS : 1];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
     const int lane = threadIdx.x & 31;
-    const int64_t r0 = (int64_t)blockIdx.x * QC_GEMV_WARPS, r = r0 + (threadIdx.x >> 5);
+    const int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * NT;
-    qc_gemv_prefetch(Wg, gate_row_bytes, r0, QC_GEMV_WARPS, rows);
-    qc_gemv_prefetch(Wu, up_row_bytes, r0, QC_GEMV_WARPS, rows);
-    qc_grid_start();
+    qc_swiglu_start(Wg, gate_row_bytes, Wu, up_row_bytes, rows);
     if constexpr (NT == 1) {
         if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
     }
@@ -94,10 +102,7 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
     float g[NT], u[NT];
     qc_gemv_row_either<NT>(gate_q8, gate_type, Wg + r * gate_row_bytes, cols, xq, xsn, x, n, t0, lane, g);
     qc_gemv_row_either<NT>(up_q8, up_type, Wu + r * up_row_bytes, cols, xq, xsn, x, n, t0, lane, u);
-    if (lane != 0) return;
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-        if (t0 + j < n) act[(int64_t)(t0 + j) * rows + r] = qc_silu_mul(g[j], u[j]);
+    qc_swiglu_store<NT>(g, u, lane, t0, n, rows, r, act);
 }
 
 template <int T>

@@ -201,6 +201,35 @@ __device__ __forceinline__ void qc_att_merge_splits(const float *p, int splits, 
     }
 }
 
+/* The share of this thread's group in block `split` of a split-K decode attention over head h:
+ * its KV head, and its keys first, first + stride, ... (qc_att_split_block reads them,
+ * qc_att_prefetch_keys asks L2 for them). */
+struct qc_att_share {
+    int kvh, first, stride;
+};
+template <int G>
+__device__ __forceinline__ qc_att_share qc_att_share_of(int h, int split, int splits, int n_head, int n_head_kv) {
+    const int groups = blockDim.x / G;
+    return {h / (n_head / n_head_kv), split * groups + (int)threadIdx.x / G, splits * groups};
+}
+
+/* Ask L2 for the K and V rows of the keys up to last_key that qc_att_split_block's thread group
+ * will read (the same arguments), before qc_grid_start. A hint only: L2 is where every write
+ * lands, so a row the kernel before writes (the new key) is still read as written. */
+template <int G, typename KV>
+__device__ __forceinline__ void qc_att_prefetch_keys(const KV *k_cache, const KV *v_cache, int last_key, int h,
+                                                     int split, int splits, int n_head, int n_head_kv,
+                                                     int head_dim) {
+    const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv);
+    const int64_t kv_dim = (int64_t)n_head_kv * head_dim;
+    const int row_bytes = head_dim * (int)sizeof(KV), lane = threadIdx.x % G;
+    for (int j = sh.first; j <= last_key; j += sh.stride)
+        for (int b = 128 * lane; b < row_bytes; b += 128 * G) {
+            qc_prefetch_line_l2((const char *)(k_cache + j * kv_dim + (int64_t)sh.kvh * head_dim) + b);
+            qc_prefetch_line_l2((const char *)(v_cache + j * kv_dim + (int64_t)sh.kvh * head_dim) + b);
+        }
+}
+
 /* Block `split` of (head h, token t) of a split-K decode attention, by a block of
  * QC_ATT_SPLIT_THREADS threads: its groups' keys split * groups + group, then every
  * splits * groups keys up to last_key, merged into one partial (m, l, acc[head_dim]) in part.
@@ -209,21 +238,6 @@ __device__ __forceinline__ void qc_att_merge_splits(const float *p, int splits, 
  * groups * (2 + head_dim) floats; weight: 32 floats; last_block: one int, all in shared memory.
  * attention.cu's split kernel is one call of it (AHEAD: qc_att_keys); the persistent decode
  * kernel (decode_step.cu) calls it for each (head, split) its block takes. */
-/* Ask L2 for the K and V rows of the keys qc_att_split_block's group will read (first, first +
- * stride, ... <= last), head kvh: before qc_grid_start. A hint only: L2 is where every write
- * lands, so a row the kernel before writes (the new key) is still read as written. */
-template <int G, typename KV>
-__device__ __forceinline__ void qc_att_prefetch_keys(const KV *k_cache, const KV *v_cache, int kvh, int kv_dim,
-                                                     int head_dim, int first, int stride, int last) {
-    const int lane = threadIdx.x % G;
-    const int row_bytes = head_dim * (int)sizeof(KV);
-    for (int j = first; j <= last; j += stride)
-        for (int b = 128 * lane; b < row_bytes; b += 128 * G) {
-            qc_prefetch_line_l2((const char *)(k_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim) + b);
-            qc_prefetch_line_l2((const char *)(v_cache + (int64_t)j * kv_dim + (int64_t)kvh * head_dim) + b);
-        }
-}
-
 template <int G, typename KV, bool AHEAD = false>
 __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_cache, const KV *v_cache,
                                                    int last_key, int h, int split, int splits, int t,
@@ -231,7 +245,7 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
                                                    float *part, unsigned int *done, float *out,
                                                    int8_t *out_qs, float2 *out_ds, float *smem,
                                                    float *weight, int *last_block) {
-    const int kvh = h / (n_head / n_head_kv);
+    const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv);
     const int kv_dim = n_head_kv * head_dim;
     const int lane = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
@@ -239,9 +253,8 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
     qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
     float m = -INFINITY, l = 0.0f;
-    qc_att_keys<G, KV, AHEAD>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
-                       kv_dim, head_dim, scale, split * groups + group, splits * groups, last_key, gmask,
-                       lane, nullptr, 0, m, l, acc);
+    qc_att_keys<G, KV, AHEAD>(qr, k_cache + (int64_t)sh.kvh * head_dim, v_cache + (int64_t)sh.kvh * head_dim,
+                       kv_dim, head_dim, scale, sh.first, sh.stride, last_key, gmask, lane, nullptr, 0, m, l, acc);
 
     /* a split with no keys (short contexts) leaves m = -inf, l = 0: the merge skips it */
     const float M = qc_att_publish<G>(smem, group, groups, lane, head_dim, m, l, acc);

@@ -3,18 +3,17 @@
  * rope_kv_store: the rotation of q and k and the KV-cache write of the rotated k and of v, in
  * one launch.
  *
- * Both kernels rotate with qc_rope_rotate (qc_rope.cuh: double precision, explicitly rounded),
- * as the persistent decode kernel does, so every path gives rope's bits. Positions come from
+ * Both kernels rotate with qc_rope_angle and qc_rope_apply (qc_rope.cuh: double precision,
+ * explicitly rounded), whose composition the persistent decode kernel calls as qc_rope_rotate,
+ * so every path gives rope's bits. Positions come from
  * device memory (graph-ready). */
 #include "qc_cuda.cuh"
 #include "qc_rope.cuh"
 
-/* Rotate the pair (v[i], v[i + head_dim/2]) of one head vector in place (qc_rope_rotate);
- * returns the rotated pair. */
-__device__ __forceinline__ float2 qc_rope_pair(float *v, int i, int head_dim, int32_t pos,
-                                               double theta) {
-    const int half = head_dim / 2;
-    const float2 rot = qc_rope_rotate(v[i], v[i + half], i, head_dim, pos, theta);
+/* Rotate the pair (v[i], v[i + half]) of one head vector in place by the angle whose (cos,
+ * sin) is cs (qc_rope_angle); returns the rotated pair. */
+__device__ __forceinline__ float2 qc_rope_pair(float *v, int i, int half, double2 cs) {
+    const float2 rot = qc_rope_apply(v[i], v[i + half], cs);
     v[i] = rot.x;
     v[i + half] = rot.y;
     return rot;
@@ -30,7 +29,7 @@ __global__ void qc_rope_kernel(float *__restrict__ x, const int32_t *__restrict_
         const int i = (int)(idx % half);
         const int64_t th = idx / half;          /* token * n_heads + head */
         const int t = (int)(th / n_heads);
-        qc_rope_pair(x + th * head_dim, i, head_dim, pos[t], theta);
+        qc_rope_pair(x + th * head_dim, i, half, qc_rope_angle(i, head_dim, pos[t], theta));
     }
 }
 
@@ -73,13 +72,11 @@ __global__ void qc_rope_kv_store_kernel(float *__restrict__ q, float *__restrict
         if (item < pairs) {
             const int h = (int)(item / half), i = (int)(item % half);
             const double2 cs = idx == first ? cs_first : qc_rope_angle(i, head_dim, pos[t], theta);
-            float *x = h < n_head ? q + ((int64_t)t * n_head + h) * head_dim
-                                  : k + t * kv_dim + (int64_t)(h - n_head) * head_dim;
-            const float2 rot = qc_rope_apply(x[i], x[i + half], cs);
-            x[i] = rot.x;
-            x[i + half] = rot.y;
-            if (h >= n_head) {
+            if (h < n_head) {
+                qc_rope_pair(q + ((int64_t)t * n_head + h) * head_dim, i, half, cs);
+            } else {
                 const int64_t off = (int64_t)(h - n_head) * head_dim;   /* KV head within the row */
+                const float2 rot = qc_rope_pair(k + t * kv_dim + off, i, half, cs);
                 qc_kv_put(k_cache + row + off + i, rot.x);
                 qc_kv_put(k_cache + row + off + i + half, rot.y);
             }

@@ -337,6 +337,17 @@ __device__ __forceinline__ bool qc_sample_better(float v, int i, float bv, int b
     return v > bv || (v == bv && i < bi);
 }
 
+/* This thread's best (value, first id) over x[lo .. hi) taken every QC_SAMPLE_THREADS ids,
+ * NaN as -inf; bi = INT_MAX for none. */
+__device__ __forceinline__ void qc_sample_thread_best(const float *x, int lo, int hi, float &bv, int &bi) {
+    bv = -INFINITY;
+    bi = INT_MAX;
+    for (int i = lo + threadIdx.x; i < hi; i += QC_SAMPLE_THREADS) {
+        const float v = x[i] != x[i] ? -INFINITY : x[i];
+        if (v > bv || bi == INT_MAX) { bv = v; bi = i; }
+    }
+}
+
 /* The block's best (value, first id) over its threads' (bv, bi), in thread 0. */
 __device__ __forceinline__ void qc_sample_block_best(float &bv, int &bi, float *sh_v, int *sh_i) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -363,12 +374,9 @@ __device__ void qc_sample_greedy(const float *__restrict__ logits, int n, const 
     __shared__ bool last_block;
     const int per = (n + gridDim.x - 1) / gridDim.x;
     const int lo = blockIdx.x * per, hi = min(n, lo + per);
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-    for (int i = lo + threadIdx.x; i < hi; i += QC_SAMPLE_THREADS) {
-        const float x = logits[i] != logits[i] ? -INFINITY : logits[i];
-        if (x > bv || bi == INT_MAX) { bv = x; bi = i; }
-    }
+    float bv;
+    int bi;
+    qc_sample_thread_best(logits, lo, hi, bv, bi);
     qc_sample_block_best(bv, bi, sh_v, sh_i);
     if (threadIdx.x == 0) {
         part[blockIdx.x] = make_int2(__float_as_int(bv), bi);
@@ -438,13 +446,10 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
         __syncthreads();
     }
 
-    /* the best value and its first index */
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-    for (int i = tid; i < n; i += QC_SAMPLE_THREADS) {
-        const float x = v[i];
-        if (x > bv || bi == INT_MAX) { bv = x; bi = i; }
-    }
+    /* the best value and its first index (v holds no NaN) */
+    float bv;
+    int bi;
+    qc_sample_thread_best(v, 0, n, bv, bi);
     qc_sample_block_best(bv, bi, sh_v, sh_i);
     if (tid == 0) {
         memset(&p, 0, sizeof p);

@@ -30,10 +30,16 @@ def _cpu_name():
     return platform.processor() or platform.machine()
 
 
+def _cuda_index(device):
+    """The ordinal of a "cuda", "cuda:N" or "cuda:N:float" device."""
+    part = device.split(":")[1] if ":" in device else "0"
+    return int(part) if part.isdigit() else 0
+
+
 def _gpu_name(device):
     if not device.startswith("cuda"):
         return None
-    index = device.split(":")[1] if ":" in device else "0"
+    index = str(_cuda_index(device))
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
                              capture_output=True, text=True, timeout=10)
@@ -98,14 +104,13 @@ def _peak_bandwidth(device):
     bus width), or None."""
     if not str(device).startswith("cuda"):
         return None
-    try:
-        from . import _core
+    from . import _core
 
-        index = int(device.split(":")[1]) if device.count(":") >= 1 and device.split(":")[1].isdigit() else 0
-        peak = _core.cuda_device_info(index)["peak_bandwidth"]
-        return peak if peak > 0 else None
-    except Exception:   # noqa: BLE001 - a bench without the bound is still a bench
+    try:
+        peak = _core.cuda_device_info(_cuda_index(device))["peak_bandwidth"]
+    except RuntimeError:   # qwencuda.CudaError: a device that does not say; the bench stands
         return None
+    return peak if peak > 0 else None
 
 
 def _one_round(model, ids, gen_tokens, depth=0, kv_type=None, fill=None):
