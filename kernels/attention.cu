@@ -85,7 +85,7 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
                           const KV *__restrict__ v_cache, const int32_t *__restrict__ pos,
                           int n_head, int n_head_kv, int head_dim, float scale,
                           float *__restrict__ part, unsigned int *__restrict__ done,
-                          float *__restrict__ out) {
+                          float *__restrict__ out, int8_t *__restrict__ out_qs, float2 *__restrict__ out_ds) {
     extern __shared__ float smem[];
     __shared__ float weight[32];
     __shared__ int last_block;
@@ -95,19 +95,21 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
     qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, blockIdx.x, blockIdx.y, gridDim.y, n_head, n_head_kv, head_dim);
     qc_grid_start();
     qc_att_split_block<G, KV, true>(q, k_cache, v_cache, last, blockIdx.x, blockIdx.y, gridDim.y, t, n_head, n_head_kv,
-                              head_dim, scale, part, done, out, nullptr, nullptr, smem, weight, &last_block);
+                              head_dim, scale, part, done, out, out_qs, out_ds, smem, weight, &last_block);
 }
 
 /* The split-K kernel of a short eval, for a cache of KV. */
 template <typename KV>
 static void launch_split(int G, dim3 grid, size_t smem, const qc_cuda *cu, const float *q, const KV *k_cache,
                          const KV *v_cache, const int32_t *pos, int n_head, int n_head_kv, int head_dim,
-                         float scale, float *part, unsigned int *done, float *out) {
+                         float scale, float *part, unsigned int *done, float *out, int8_t *out_qs,
+                         float2 *out_ds) {
     switch (G) {
 #define QC_SPLIT_CASE_(g)                                                                         \
     case g:                                                                                       \
         qc_launch(cu, qc_attention_split_kernel<g, KV>, grid, dim3(QC_ATT_SPLIT_THREADS), smem, q, \
-                  k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, part, done, out);   \
+                  k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, part, done, out,    \
+                  out_qs, out_ds);                                                               \
         break;
         QC_SPLIT_CASE_(1) QC_SPLIT_CASE_(2) QC_SPLIT_CASE_(4) QC_SPLIT_CASE_(8) QC_SPLIT_CASE_(16)
         QC_SPLIT_CASE_(32)
@@ -153,6 +155,8 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         return qc_cuda_value_error(be, "attention: head_dim %d is not in 1..%d", head_dim, 32 * QC_ATT_MAXD);
     if (cache.type != QC_KV_F32 && cache.type != QC_KV_F16)
         return qc_cuda_value_error(be, "attention: unknown KV cache type %d", cache.type);
+    /* out is rewritten: q8x no longer holds its 8-bit form, unless the split kernel leaves it */
+    cu->q8x_of = NULL;
     /* an F16 cache without captured scores: the tensor-core kernels (flash_attention.cu) */
     if (!scores && !probs && takes_flash(be, cache.type, n, n_kv, head_dim))
         return qc_cuda_flash_attention(be, q, cache, pos, n, n_head, n_head_kv, head_dim, out);
@@ -165,13 +169,25 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         const int groups = QC_ATT_SPLIT_THREADS / G;
         const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
         const dim3 grid((unsigned)n_head, QC_ATT_SPLITS, (unsigned)n);
+        /* one token's output also leaves its 8-bit form in q8x (cu->q8x_of), quantized from
+         * registers with qc_quantize_q8_kernel's bits (qc_att_merge_splits): the o projection's
+         * matmul_add reads it there instead of launching the quantization */
+        const int64_t q_dim = (int64_t)n_head * head_dim;
+        const int with_q8 = n == 1 && cu->gemv_q8 && head_dim % 32 == 0 && q_dim <= QC_Q8X_MAX_COLS;
+        int8_t *out_qs = with_q8 ? (int8_t *)cu->q8x : nullptr;
+        float2 *out_ds = with_q8 ? (float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(1, q_dim)) : nullptr;
         if (cache.type == QC_KV_F16)
-            launch_split<__half>(G, grid, smem, cu, q, (const __half *)cache.k, (const __half *)cache.v,
-                                 pos, n_head, n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out);
+            launch_split<__half>(G, grid, smem, cu, q, (const __half *)cache.k, (const __half *)cache.v, pos, n_head,
+                                 n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out, out_qs, out_ds);
         else
-            launch_split<float>(G, grid, smem, cu, q, (const float *)cache.k, (const float *)cache.v,
-                                pos, n_head, n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out);
-        return QC_LAUNCHED(be, "qc_attention_split_kernel");
+            launch_split<float>(G, grid, smem, cu, q, (const float *)cache.k, (const float *)cache.v, pos, n_head,
+                                n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out, out_qs, out_ds);
+        if (QC_LAUNCHED(be, "qc_attention_split_kernel") < 0) return -1;
+        if (with_q8) {
+            cu->q8x_of = out;
+            cu->q8x_cols = q_dim;
+        }
+        return 0;
     }
     const int threads = n <= QC_GEMV_MAX_TOKENS ? QC_ATT_THREADS_SHORT : QC_ATT_THREADS_LONG;
     const int groups = threads / G;

@@ -103,7 +103,8 @@ static int cu_upload(qc_backend *be, void *dst, const void *host_src, size_t byt
     if (bytes == 0) return 0;
     if (use_device(be) < 0) return -1;
     /* from pageable memory the copy is staged before the call returns, so the caller may reuse
-     * host_src at once */
+     * host_src at once. dst may be an activation whose 8-bit form q8x held: no longer. */
+    qc_cuda_of(be)->q8x_of = NULL;
     return QC_CUDA(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, qc_cuda_of(be)->stream));
 }
 
@@ -118,6 +119,7 @@ static int cu_download(qc_backend *be, void *host_dst, const void *src, size_t b
 static int cu_copy(qc_backend *be, void *dst, const void *src, size_t bytes) {
     if (bytes == 0) return 0;
     if (use_device(be) < 0) return -1;
+    qc_cuda_of(be)->q8x_of = NULL;   /* as in cu_upload */
     return QC_CUDA(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, qc_cuda_of(be)->stream));
 }
 

@@ -455,7 +455,9 @@ int qc_cuda_decode_step(qc_backend *be, const qc_decode_plan *p) {
     P.att = p->att;
     P.act = p->act;
     P.logits = p->logits;
-    /* the 8-bit att and act in the backend's q8 buffer, one after the other */
+    /* the 8-bit att and act in the backend's q8 buffer, one after the other (so it no longer
+     * holds what an op left there for the next) */
+    cu->q8x_of = NULL;
     char *q8 = (char *)cu->q8x;
     P.att_qs = (int8_t *)q8;
     P.att_ds = (float2 *)(q8 + qc_q8x_qs_bytes(1, P.q_dim));

@@ -121,6 +121,7 @@ int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_
     qc_launch(cu, qc_quantize_q8_kernel, dim3((unsigned)((blocks + warps - 1) / warps)), dim3(32 * warps), 0, x,
               blocks, qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
+    cu->q8x_of = NULL;
     return QC_LAUNCHED(be, "qc_quantize_q8_kernel");
 }
 
@@ -135,6 +136,7 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
     qc_launch(cu, qc_norm_quantize_q8_kernel, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols, eps,
               qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
+    cu->q8x_of = NULL;
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
 }
 
@@ -221,9 +223,11 @@ static int matmul_cublas(qc_backend *be, const qc_weight *w, const float *bias, 
     return bias ? qc_cuda_add_bias(be, out, bias, n, rows) : 0;
 }
 
-/* matmul (residual NULL) and matmul_add: the GEMV up to QC_GEMV_MAX_TOKENS tokens, else cuBLAS. */
+/* matmul (residual NULL) and matmul_add: the GEMV up to QC_GEMV_MAX_TOKENS tokens, else cuBLAS.
+ * x_from_last_op: x is the unchanged output of the op just before, whose 8-bit form that op may
+ * have left in q8x (cu->q8x_of): then the GEMV reads it there, with no quantize launch. */
 static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
-                      const float *residual, float *out) {
+                      const float *residual, float *out, int x_from_last_op) {
     qc_cuda *cu = qc_cuda_of(be);
     if (n <= 0 || w->rows <= 0) return 0;
     if (!qc_cuda_type_supported(w->type))
@@ -240,7 +244,11 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
         return qc_cuda_value_error(be, "matmul: %lld rows is too many", (long long)w->rows);
     qc_q8x xq = {};
     if (qc_cuda_gemv_q8(be, w->type, w->cols)) {
-        if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0) return -1;
+        if (x_from_last_op && n == 1 && cu->q8x_of == x && cu->q8x_cols == w->cols)
+            xq = qc_q8x{(const int8_t *)cu->q8x, (const float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(1, w->cols)),
+                        w->cols, w->cols / 32};
+        else if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0)
+            return -1;
         switch (w->type) {
 #define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, cu); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
@@ -258,10 +266,10 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
 
 int qc_cuda_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
                    float *out) {
-    return matmul_any(be, w, bias, x, n, NULL, out);
+    return matmul_any(be, w, bias, x, n, NULL, out, 0);
 }
 
 int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
-                       const float *residual, float *out) {
-    return matmul_any(be, w, NULL, x, n, residual, out);
+                       const float *residual, float *out, int x_from_last_op) {
+    return matmul_any(be, w, NULL, x, n, residual, out, x_from_last_op);
 }

@@ -49,6 +49,12 @@ typedef struct qc_cuda {
      * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */
     int gemv_q8;
     void *q8x;
+    /* the one-token activation whose 8-bit form q8x holds (cols values), left there by the op
+     * that wrote both (attention's split kernel) for the matmul_add right after it
+     * (x_from_last_op), or NULL. Every other writer of q8x (the quantize launchers, the
+     * persistent decode kernel), and every upload and copy, sets it to NULL. */
+    const float *q8x_of;
+    int64_t q8x_cols;
     /* the persistent decode kernel (decode_step.cu): whether the device can launch a
      * cooperative grid, and its counters, zeroed at creation and back to zero after every
      * launch: the grid barrier (QC_DEC_SYNC_BARRIER) and one per block of 32 act values */

@@ -209,6 +209,27 @@ def test_dependent_launches_change_no_bit(synth_dir, weight_type, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("config", ["tiny-hd64", "tiny-hd128"])
+@pytest.mark.parametrize("weight_type", ["q8_0", "q4_k_m"])
+def test_attention_hands_its_8bit_output_to_o(synth_dir, config, weight_type):
+    """A decode step's split-K attention also writes its output's 8-bit blocks, and the o
+    projection reads them instead of quantizing att in a launch of its own (kernels/attention.cu,
+    matmul.cu: cu->q8x_of). A capture of the attention scores runs another attention in between,
+    so the same steps then quantize att themselves. Both must give the same logits, bit for bit:
+    a hand-off that read another layer's blocks, or blocks quantized differently, would not."""
+    path = synth(synth_dir, config, weight_type)
+    ids = [int(t) for t in _ids(24, 400, seed=11)]
+
+    def run(capture):
+        with qwencuda.Model(path, device="cuda") as m, m.session(max_context=32) as s:
+            s.prefill(ids[:16], logits=None)
+            return [s.step(t, capture=capture).logits for t in ids[16:]]
+
+    handed = run(None)
+    for a, b in zip(handed, run("blk.*.attn_scores")):
+        np.testing.assert_array_equal(a, b)
+
+
 # --------------------------------------------------------------------------------------------
 # 0.5B shapes: greedy generation against the CPU engine
 

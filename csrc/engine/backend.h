@@ -127,9 +127,12 @@ typedef int qc_op_sample(qc_backend *be, const float *logits, int64_t n_vocab, c
  * QC_GEMV_MAX_TOKENS tokens), in one pass instead of several. The forward pass uses them
  * unless a capture asks for an intermediate that they never write. ---- */
 /* out[n][rows] = residual[n][rows] + x[n][cols] @ W^T: matmul (no bias), then add.
- * residual may alias out (the residual stream updated in place). */
+ * residual may alias out (the residual stream updated in place). x_from_last_op: the caller
+ * says that x is the output of the backend op called just before this one (attention),
+ * unchanged since: a backend that left x's 8-bit form beside it (CUDA, one token) reads that
+ * instead of quantizing x again; the result is the same either way. */
 typedef int qc_op_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
-                             const float *residual, float *out);
+                             const float *residual, float *out, int x_from_last_op);
 /* matmul of one x by n_parts (1..QC_MATMUL_MULTI_MAX) weights with the same cols, each with
  * its own type, rows, bias and output: q, k and v in one launch. The outputs must not
  * overlap x or each other. norm_w: when not NULL, x is first RMS-normalised with it and

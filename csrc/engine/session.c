@@ -1144,9 +1144,13 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
         CAPTURE(capture_attention(s, p, l, c0, nc, n_kv, err));
     CAPTURE(observe_layer(s, p, l, L_ATTN_OUT, sc->att, c0, nc, q_dim, err));
 
-    /* output projection (no bias) and the residual: x = x + att @ Wo^T */
+    /* output projection (no bias) and the residual: x = x + att @ Wo^T; att comes straight from
+     * the attention op unless its scores were captured (another attention ran since) or a patch
+     * replaced it */
     if (fuse_o) {
-        OP(op->matmul_add(be, &L->wo, sc->att, nc, sc->x, sc->x));
+        const int att_from_last_op = !layer_wants(s, l, L_ATTN_SCORES) && !layer_wants(s, l, L_ATTN_PROBS) &&
+                                     !layer_patched(s, l, L_ATTN_OUT);
+        OP(op->matmul_add(be, &L->wo, sc->att, nc, sc->x, sc->x, att_from_last_op));
     } else {
         OP(op->matmul(be, &L->wo, NULL, sc->att, nc, sc->y));
         CAPTURE(observe_layer(s, p, l, L_ATTN_PROJ, sc->y, c0, nc, dim, err));
@@ -1175,7 +1179,7 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
 
     /* down projection and the residual: x = x + act @ Wdown^T */
     if (fuse_down) {
-        OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x));
+        OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x, 0));
     } else {
         OP(op->matmul(be, &L->w_down, NULL, sc->act, nc, sc->y));
         CAPTURE(observe_layer(s, p, l, L_FFN_OUT, sc->y, c0, nc, dim, err));

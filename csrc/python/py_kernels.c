@@ -485,7 +485,7 @@ typedef struct {
 static int op_matmul_add(qc_backend *be, void *p) {
     matmul_add_args *a = p;
     return be->ops->matmul_add(be, a->w, a->x.dev, a->n, a->residual.dev,
-                               a->in_place ? a->residual.dev : a->out.dev);
+                               a->in_place ? a->residual.dev : a->out.dev, 0);
 }
 
 static PyObject *kernel_matmul_add(PyObject *self, PyObject *args) {
