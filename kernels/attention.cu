@@ -79,23 +79,31 @@ qc_attention_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
     }
 }
 
-template <int G, typename KV>
+/* HD: head_dim known when compiled (the 4 G of Qwen2's 64 and 128), else 0. Every helper is
+ * inlined, so each `d < head_dim` of a lane's dimensions folds away, and with it the branch
+ * around each load of q, K and V, where the warp waited for the loaded value (one L2 round trip
+ * after another). The arithmetic is the same. */
+template <int G, typename KV, int HD>
 __global__ void __launch_bounds__(QC_ATT_SPLIT_THREADS)
 qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
                           const KV *__restrict__ v_cache, const int32_t *__restrict__ pos,
-                          int n_head, int n_head_kv, int head_dim, float scale,
+                          int n_head, int n_head_kv, int head_dim_arg, float scale,
                           float *__restrict__ part, unsigned int *__restrict__ done,
                           float *__restrict__ out, int8_t *__restrict__ out_qs, float2 *__restrict__ out_ds) {
+    const int head_dim = HD ? HD : head_dim_arg;
     extern __shared__ float smem[];
     __shared__ float weight[32];
     __shared__ int last_block;
     const int t = blockIdx.z;
     /* before the wait (qc_grid_start's rule): the position, and L2 asked for this block's keys */
     const int last = pos[t];
-    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, blockIdx.x, blockIdx.y, gridDim.y, n_head, n_head_kv, head_dim);
+    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, blockIdx.x, blockIdx.y, QC_ATT_SPLITS, n_head, n_head_kv,
+                                head_dim);
     qc_grid_start();
-    qc_att_split_block<G, KV, true>(q, k_cache, v_cache, last, blockIdx.x, blockIdx.y, gridDim.y, t, n_head, n_head_kv,
-                              head_dim, scale, part, done, out, out_qs, out_ds, smem, weight, &last_block);
+    /* (the grid's y is QC_ATT_SPLITS: a constant, the merge's loops over the splits unroll) */
+    qc_att_split_block<G, KV, true>(q, k_cache, v_cache, last, blockIdx.x, blockIdx.y, QC_ATT_SPLITS, t, n_head,
+                                    n_head_kv, head_dim, scale, part, done, out, out_qs, out_ds, smem, weight,
+                                    &last_block);
 }
 
 /* The split-K kernel of a short eval, for a cache of KV. */
@@ -104,17 +112,24 @@ static void launch_split(int G, dim3 grid, size_t smem, const qc_cuda *cu, const
                          const KV *v_cache, const int32_t *pos, int n_head, int n_head_kv, int head_dim,
                          float scale, float *part, unsigned int *done, float *out, int8_t *out_qs,
                          float2 *out_ds) {
+    const dim3 block(QC_ATT_SPLIT_THREADS);
+#define QC_SPLIT_ARGS_ q, k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, part, done, out, out_qs, out_ds
+    if (G == 16 && head_dim == 64) {
+        qc_launch(cu, qc_attention_split_kernel<16, KV, 64>, grid, block, smem, QC_SPLIT_ARGS_);
+        return;
+    }
+    if (G == 32 && head_dim == 128) {
+        qc_launch(cu, qc_attention_split_kernel<32, KV, 128>, grid, block, smem, QC_SPLIT_ARGS_);
+        return;
+    }
     switch (G) {
-#define QC_SPLIT_CASE_(g)                                                                         \
-    case g:                                                                                       \
-        qc_launch(cu, qc_attention_split_kernel<g, KV>, grid, dim3(QC_ATT_SPLIT_THREADS), smem, q, \
-                  k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, part, done, out,    \
-                  out_qs, out_ds);                                                               \
-        break;
+#define QC_SPLIT_CASE_(g) \
+    case g: qc_launch(cu, qc_attention_split_kernel<g, KV, 0>, grid, block, smem, QC_SPLIT_ARGS_); break;
         QC_SPLIT_CASE_(1) QC_SPLIT_CASE_(2) QC_SPLIT_CASE_(4) QC_SPLIT_CASE_(8) QC_SPLIT_CASE_(16)
         QC_SPLIT_CASE_(32)
 #undef QC_SPLIT_CASE_
     }
+#undef QC_SPLIT_ARGS_
 }
 
 /* The exact kernel, one block per (head, token), for a cache of KV. */

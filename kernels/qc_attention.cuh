@@ -97,7 +97,9 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
                 kr[i] = k_next[i];
                 vr[i] = v_next[i];
             }
-            if (j + stride <= last) qc_att_load_kv<G, KV>(k, v, j + stride, kv_dim, head_dim, lane, k_next, v_next);
+            /* unconditional (past `last`: key `last` again, unused): loaded under a branch, the
+             * next key's rows were waited for where it joined, before this key's arithmetic */
+            qc_att_load_kv<G, KV>(k, v, j + stride <= last ? j + stride : last, kv_dim, head_dim, lane, k_next, v_next);
             qc_att_key<G>(qr, [&](int i) { return qc_kv_float(kr[i]); }, [&](int i) { return qc_kv_float(vr[i]); },
                           j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
         }
@@ -176,8 +178,12 @@ __device__ __forceinline__ void qc_att_merge_splits(const float *p, int splits, 
                                                     float *weight, int8_t *o_qs, float2 *o_ds) {
     if (threadIdx.x < 32) {
         const int s = threadIdx.x;
-        const float ms = s < splits ? __ldcg(p + s * (head_dim + 2)) : -INFINITY;
-        const float ls = s < splits ? __ldcg(p + s * (head_dim + 2) + 1) : 0.0f;
+        /* both loads unconditional (split 0 again past `splits`, unused), so that neither is
+         * waited for where a branch joins before the other goes out */
+        const float *ps = p + (s < splits ? s : 0) * (head_dim + 2);
+        const float m_s = __ldcg(ps), l_s = __ldcg(ps + 1);
+        const float ms = s < splits ? m_s : -INFINITY;
+        const float ls = s < splits ? l_s : 0.0f;
         float M = ms;
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
