@@ -190,7 +190,7 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         const int64_t q_dim = (int64_t)n_head * head_dim;
         const int with_q8 = n == 1 && cu->gemv_q8 && head_dim % 32 == 0 && q_dim <= QC_Q8X_MAX_COLS;
         int8_t *out_qs = with_q8 ? (int8_t *)cu->q8x : nullptr;
-        float2 *out_ds = with_q8 ? (float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(1, q_dim)) : nullptr;
+        float2 *out_ds = with_q8 ? qc_q8x_ds_at(cu->q8x, 1, q_dim) : nullptr;
         if (cache.type == QC_KV_F16)
             launch_split<__half>(G, grid, smem, cu, q, (const __half *)cache.k, (const __half *)cache.v, pos, n_head,
                                  n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out, out_qs, out_ds);

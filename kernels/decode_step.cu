@@ -460,10 +460,10 @@ int qc_cuda_decode_step(qc_backend *be, const qc_decode_plan *p) {
     cu->q8x_of = NULL;
     char *q8 = (char *)cu->q8x;
     P.att_qs = (int8_t *)q8;
-    P.att_ds = (float2 *)(q8 + qc_q8x_qs_bytes(1, P.q_dim));
+    P.att_ds = qc_q8x_ds_at(q8, 1, P.q_dim);
     q8 += qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
     P.act_qs = (int8_t *)q8;
-    P.act_ds = (float2 *)(q8 + qc_q8x_qs_bytes(1, P.ffn));
+    P.act_ds = qc_q8x_ds_at(q8, 1, P.ffn);
     P.attn_part = cu->attn_part;
     P.attn_done = cu->attn_done;
     P.act_done = cu->dec_sync + QC_DEC_SYNC_BARRIER;

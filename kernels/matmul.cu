@@ -115,7 +115,7 @@ int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_
     if (n < 1 || n > QC_GEMV_MAX_TOKENS || cols % 32 != 0 || cols > QC_Q8X_MAX_COLS)
         return qc_cuda_value_error(be, "quantize_q8: %d x %lld does not fit the 8-bit buffer", n, (long long)cols);
     int8_t *qs = (int8_t *)cu->q8x;
-    float2 *ds = (float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(n, cols));
+    float2 *ds = qc_q8x_ds_at(cu->q8x, n, cols);
     const int64_t blocks = (int64_t)n * (cols / 32);
     const int warps = 8;
     qc_launch(cu, qc_quantize_q8_kernel, dim3((unsigned)((blocks + warps - 1) / warps)), dim3(32 * warps), 0, x,
@@ -131,7 +131,7 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
     if (cols % 32 != 0 || cols > QC_NORM_FUSE_MAX_COLS)
         return qc_cuda_value_error(be, "norm_quantize_q8: %lld columns", (long long)cols);
     int8_t *qs = (int8_t *)cu->q8x;
-    float2 *ds = (float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(1, cols));
+    float2 *ds = qc_q8x_ds_at(cu->q8x, 1, cols);
     const unsigned blocks = (unsigned)((cols / 32 + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS);
     qc_launch(cu, qc_norm_quantize_q8_kernel, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols, eps,
               qs, ds);
@@ -245,8 +245,7 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
     qc_q8x xq = {};
     if (qc_cuda_gemv_q8(be, w->type, w->cols)) {
         if (x_from_last_op && n == 1 && cu->q8x_of == x && cu->q8x_cols == w->cols)
-            xq = qc_q8x{(const int8_t *)cu->q8x, (const float2 *)((char *)cu->q8x + qc_q8x_qs_bytes(1, w->cols)),
-                        w->cols, w->cols / 32};
+            xq = qc_q8x{(const int8_t *)cu->q8x, qc_q8x_ds_at(cu->q8x, 1, w->cols), w->cols, w->cols / 32};
         else if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0)
             return -1;
         switch (w->type) {

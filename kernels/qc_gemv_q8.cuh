@@ -411,6 +411,10 @@ __device__ __forceinline__ void qc_gemv_row_either(bool q8, uint32_t type, const
  * describe it in *out (matmul.cu). Never allocates: the buffer is made at creation. */
 #define QC_Q8X_MAX_COLS 65536
 __host__ __device__ static inline size_t qc_q8x_qs_bytes(int n, int64_t cols) { return ((size_t)n * (size_t)cols + 15) / 16 * 16; }
+/* The ds of n rows of cols 8-bit activations laid out from base: qs first, then ds. */
+__host__ __device__ static inline float2 *qc_q8x_ds_at(void *base, int n, int64_t cols) {
+    return (float2 *)((char *)base + qc_q8x_qs_bytes(n, cols));
+}
 static inline size_t qc_q8x_bytes(int n, int64_t cols) {
     return qc_q8x_qs_bytes(n, cols) + (size_t)n * (size_t)(cols / 32) * sizeof(float2);
 }

@@ -216,7 +216,9 @@ def test_attention_hands_its_8bit_output_to_o(synth_dir, config, weight_type):
     projection reads them instead of quantizing att in a launch of its own (kernels/attention.cu,
     matmul.cu: cu->q8x_of). A capture of the attention scores runs another attention in between,
     so the same steps then quantize att themselves. Both must give the same logits, bit for bit:
-    a hand-off that read another layer's blocks, or blocks quantized differently, would not."""
+    a hand-off that read another layer's blocks, or blocks quantized differently, would not.
+    (The bits cannot show that the hand-off ran at all; the decode timeline does: 25 quantize
+    launches a 0.5B step instead of 49, bench/results/20261124-ad009bb-*.)"""
     path = synth(synth_dir, config, weight_type)
     ids = [int(t) for t in _ids(24, 400, seed=11)]
 
