@@ -214,6 +214,50 @@ static int cu_replay(qc_backend *be, void *recording) {
     return QC_CUDA(be, cudaGraphLaunch((cudaGraphExec_t)recording, qc_cuda_of(be)->stream));
 }
 
+static int cu_replay_next(qc_backend *be, void *recording, const void *result, void *state, int32_t *ids,
+                          int32_t *pos, int64_t n_vocab) {
+    if (use_device(be) < 0 || qc_cuda_feed_draw(be, result, state, ids, pos, n_vocab) < 0) return -1;
+    return QC_CUDA(be, cudaGraphLaunch((cudaGraphExec_t)recording, qc_cuda_of(be)->stream));
+}
+
+static int cu_download_start(qc_backend *be, const void *src, size_t bytes, int *ticket) {
+    qc_cuda *cu = qc_cuda_of(be);
+    *ticket = -1;
+    if (bytes > QC_DOWNLOAD_AHEAD_BYTES)
+        return qc_cuda_value_error(be, "download_start: %zu bytes (at most %d)", bytes, QC_DOWNLOAD_AHEAD_BYTES);
+    if (use_device(be) < 0) return -1;
+    if (cu->ahead_host == NULL) {
+        void *host = NULL;
+        if (QC_CUDA(be, cudaHostAlloc(&host, QC_DOWNLOAD_TICKETS * QC_DOWNLOAD_AHEAD_BYTES, cudaHostAllocDefault)) < 0)
+            return -1;
+        for (int i = 0; i < QC_DOWNLOAD_TICKETS; i++) {
+            if (QC_CUDA(be, cudaEventCreateWithFlags(&cu->ahead_copied[i], cudaEventDisableTiming)) < 0) {
+                while (i-- > 0) cudaEventDestroy(cu->ahead_copied[i]);
+                cudaFreeHost(host);
+                return -1;
+            }
+        }
+        cu->ahead_host = (uint8_t *)host;
+    }
+    const int t = (int)(cu->next_ticket % QC_DOWNLOAD_TICKETS);
+    if (QC_CUDA(be, cudaMemcpyAsync(cu->ahead_host + t * QC_DOWNLOAD_AHEAD_BYTES, src, bytes, cudaMemcpyDeviceToHost,
+                                    cu->stream)) < 0 ||
+        QC_CUDA(be, cudaEventRecord(cu->ahead_copied[t], cu->stream)) < 0)
+        return -1;
+    cu->next_ticket++;
+    *ticket = t;
+    return 0;
+}
+
+static int cu_download_finish(qc_backend *be, int ticket, void *host_dst, size_t bytes) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (ticket < 0 || ticket >= QC_DOWNLOAD_TICKETS || cu->ahead_host == NULL || bytes > QC_DOWNLOAD_AHEAD_BYTES)
+        return qc_cuda_value_error(be, "download_finish: no copy of %zu bytes has ticket %d", bytes, ticket);
+    if (use_device(be) < 0 || QC_CUDA(be, cudaEventSynchronize(cu->ahead_copied[ticket])) < 0) return -1;
+    memcpy(host_dst, cu->ahead_host + ticket * QC_DOWNLOAD_AHEAD_BYTES, bytes);
+    return 0;
+}
+
 static void cu_recording_free(qc_backend *be, void *recording) {
     if (recording == NULL || use_device(be) < 0) return;
     if (cudaGraphExecDestroy((cudaGraphExec_t)recording) != cudaSuccess) cudaGetLastError();
@@ -246,6 +290,10 @@ static void cu_destroy(qc_backend *be) {
             if (cu->dec_sync) cudaFree(cu->dec_sync);
             if (cu->sample_part) cudaFree(cu->sample_part);
             if (cu->sample_done) cudaFree(cu->sample_done);
+            if (cu->ahead_host) {
+                for (int i = 0; i < QC_DOWNLOAD_TICKETS; i++) cudaEventDestroy(cu->ahead_copied[i]);
+                cudaFreeHost(cu->ahead_host);
+            }
             if (cu->blas) cublasDestroy(cu->blas);
             if (cu->stream) cudaStreamDestroy(cu->stream);
         }
@@ -274,6 +322,9 @@ static qc_backend_ops make_cuda_ops(void) {
     ops.record_end = cu_record_end;
     ops.replay = cu_replay;
     ops.recording_free = cu_recording_free;
+    ops.replay_next = cu_replay_next;
+    ops.download_start = cu_download_start;
+    ops.download_finish = cu_download_finish;
     ops.decode_step_takes = cu_decode_step_takes;
     ops.decode_step = on_device<int(qc_backend *, const qc_decode_plan *)>::run<qc_cuda_decode_step>;
     return ops;

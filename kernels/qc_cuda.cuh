@@ -68,6 +68,12 @@ typedef struct qc_cuda {
     /* every op kernel is launched as a programmatic dependent launch (qc_launch below): the
      * device and the kernels' code are sm_90 or newer, and QWENCUDA_PDL is not "0" at creation */
     int pdl;
+    /* download_start's copies (backend.h): QC_DOWNLOAD_TICKETS slots of pinned host memory,
+     * QC_DOWNLOAD_AHEAD_BYTES each, and the event after each slot's copy; made at the first
+     * download_start. The next copy takes slot next_ticket % QC_DOWNLOAD_TICKETS. */
+    uint8_t *ahead_host;
+    cudaEvent_t ahead_copied[QC_DOWNLOAD_TICKETS];
+    unsigned next_ticket;
 } qc_cuda;
 #define QC_DEC_SYNC_BARRIER 2
 #define QC_DEC_SYNC_WORDS (QC_DEC_SYNC_BARRIER + 65536 / 32)
@@ -129,6 +135,10 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
 /* Whether the attention op (without scores) of n tokens over n_kv keys runs the split-K
  * kernel, as the persistent decode kernel does (attention.cu). */
 int qc_cuda_attention_splits(qc_backend *be, int kv_type, int n, int n_kv, int n_head, int head_dim);
+/* replay_next's inputs of the next step (backend.h), from the draw in result (sample.cu). */
+int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
+                      int64_t n_vocab);
+
 /* The decode_step and decode_step_takes ops of backend.h (decode_step.cu). */
 int qc_cuda_decode_step_takes(qc_backend *be, const qc_decode_plan *plan, int n_kv);
 int qc_cuda_decode_step(qc_backend *be, const qc_decode_plan *plan);

@@ -123,10 +123,12 @@ def _one_round(model, ids, gen_tokens, depth=0, kv_type=None, fill=None):
         t0 = time.perf_counter()
         token = s.prefill(ids, logits=None, sampler=greedy).token
         t1 = time.perf_counter()
+        ahead = 0
         for _ in range(gen_tokens):
             token = s.step(token, logits=None, sampler=greedy).token
+            ahead += s.ran_ahead
         t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    return t1 - t0, t2 - t1, ahead
 
 
 def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repeats=5,
@@ -147,11 +149,12 @@ def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repe
         ids = rng.integers(0, min(cfg.n_vocab, 150000), prompt_tokens).tolist()
         fill = rng.integers(0, min(cfg.n_vocab, 150000), depth).tolist()
         _one_round(model, ids[:min(prompt_tokens, 16)], min(gen_tokens, 2), kv_type=kv_type)   # warm-up
-        prefill_s, decode_s = [], []
+        prefill_s, decode_s, ahead = [], [], []
         for _ in range(repeats):
-            p, d = _one_round(model, ids, gen_tokens, depth, kv_type, fill)
+            p, d, a = _one_round(model, ids, gen_tokens, depth, kv_type, fill)
             prefill_s.append(p)
             decode_s.append(d)
+            ahead.append(a)
         with model.session(max_context=1, kv_type=kv_type) as s:
             kv = s.kv_type
         types = model.tensor_types()
@@ -184,6 +187,7 @@ def run_bench(model_path, device="auto", prompt_tokens=512, gen_tokens=128, repe
             "decode_s": decode_s,
             "prefill_tok_s": prompt_tokens / p_med if p_med > 0 else float("inf"),
             "decode_tok_s": decode_tok_s,
+            "decode_ran_ahead": min(ahead),   # steps already queued when asked (Session.ran_ahead)
             "decode_weight_bytes": w_bytes,
             "decode_kv_bytes": kv_bytes,
             "decode_bandwidth": (w_bytes + kv_bytes) * decode_tok_s,
@@ -209,7 +213,8 @@ def format_bench(result) -> str:
         f"  prefill {r['prompt_tokens']:>5} tokens at depth {r.get('depth', 0):>5}: {r['prefill_tok_s']:8.1f} tok/s "
         f"(median of {r['repeats']}, range {spread(r['prefill_s'], r['prompt_tokens'])})",
         f"  decode  {r['gen_tokens']:>5} tokens at depth {r.get('depth', 0) + r['prompt_tokens']:>5}: "
-        f"{r['decode_tok_s']:8.1f} tok/s (median of {r['repeats']}, range {spread(r['decode_s'], r['gen_tokens'])})",
+        f"{r['decode_tok_s']:8.1f} tok/s (median of {r['repeats']}, range {spread(r['decode_s'], r['gen_tokens'])})"
+        + (f"; {r['decode_ran_ahead']} steps ran ahead" if r.get("decode_ran_ahead") else ""),
     ]
     if r.get("decode_bandwidth"):
         line = (f"  decode reads {(r['decode_weight_bytes'] + r['decode_kv_bytes']) / 1e6:.1f} MB a token "

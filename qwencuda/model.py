@@ -194,6 +194,16 @@ class Session:
         return self._core().last_path
 
     @property
+    def ran_ahead(self) -> bool:
+        """Whether the last eval's step was already running when it was asked for. A generation
+        loop (step(token, logits=None, sampler=s) with the token the step before drew, the same
+        sampler settings and no penalty history that changes) has its next step queued on the
+        GPU before the host sees the token: the GPU never waits for Python between steps. The
+        draw is the same either way; any other eval just runs after the queued step's work.
+        QWENCUDA_DECODE_AHEAD=0 at session creation turns it off (to measure it)."""
+        return self._core().ran_ahead
+
+    @property
     def prefill_chunk(self) -> int:
         """Most tokens one forward pass computes; a longer prefill runs in chunks of this many
         (same result, bounded scratch memory). Settable."""

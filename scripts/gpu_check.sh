@@ -197,6 +197,11 @@ for path in ['$synth/tiny-q4_k_m-san.gguf', '$synth/tiny-hd128-f16-san.gguf', '$
             s.reset(); t = s.prefill(ids, logits=None, sampler=sp).token
             for _ in range(3):
                 sp.accept(t); t = s.step(t, logits=None, sampler=sp).token
+            sp = qc.Sampler(m.config.n_vocab, temperature=0.8, top_k=5, seed=2)
+            s.reset(); t = s.prefill(ids, logits=None, sampler=sp).token
+            for _ in range(6):                                  # no penalty: steps run ahead
+                t = s.step(t, logits=None, sampler=sp).token
+            assert s.ran_ahead
 print('sanitized run ok')
 ") >>"$logdir/sanitizer.log" 2>&1
         rc=$?
@@ -214,6 +219,10 @@ with qc.Model('$synth/gqa7-hd64-f32-san.gguf', device='cuda') as m, m.session(ma
         tr = s.step(int(tr.argmax[-1]))
     s.reset(); s.prefill(np.arange(1, 40), capture='blk.0.attn_probs', attn_rows=[-1])
     tr = s.prefill([5]); s.step(int(tr.argmax[-1]))
+    g = qc.Sampler(m.config.n_vocab); t = s.prefill([7, 8], logits=None, sampler=g).token
+    for _ in range(5):                                          # greedy steps run ahead
+        t = s.step(t, logits=None, sampler=g).token
+    assert s.ran_ahead
 print('$tool run ok')
 ") >"$logdir/sanitizer-$tool.log" 2>&1
             rc=$?

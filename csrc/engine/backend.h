@@ -66,6 +66,10 @@ static inline int qc_kv_bucket(int n_kv) { return n_kv > QC_KV_SHORT; }
 /* Bytes of one cache element. */
 static inline size_t qc_kv_type_size(int type) { return type == QC_KV_F16 ? 2 : 4; }
 
+/* download_start (below): the largest copy, and how many can be outstanding. */
+#define QC_DOWNLOAD_AHEAD_BYTES 64
+#define QC_DOWNLOAD_TICKETS 4
+
 /* Most projections one matmul_multi call computes (q, k and v). */
 #define QC_MATMUL_MULTI_MAX 3
 
@@ -208,6 +212,23 @@ typedef struct qc_backend_ops {
     int (*record_end)(qc_backend *be, void **recording);   /* ends it even after a failed op */
     int (*replay)(qc_backend *be, void *recording);
     void (*recording_free)(qc_backend *be, void *recording); /* NULL ok */
+
+    /* ---- optional (NULL where unsupported): the next decode step, queued before the host has
+     * seen this step's token ----
+     * replay_next replays a recorded decode step for the token that the step before it drew on
+     * the backend, with none of the host's uploads: first, in backend memory, ids[0] = the
+     * token of `result` (the qc_sample_result that step wrote; an id outside [0, n_vocab)
+     * becomes 0, so that no row out of range is read), pos[0] += 1, and the RNG of `state`
+     * (the draw's qc_sample_state) = the result's unless that is 0 (qc_sampler_set_rng's rule);
+     * then the replay.
+     * download_start queues a copy of bytes (<= QC_DOWNLOAD_AHEAD_BYTES) from src into the
+     * backend's own host memory and returns at once with a ticket; download_finish waits for
+     * that copy alone, not for the work queued after it, and hands its bytes over. A ticket
+     * is good until QC_DOWNLOAD_TICKETS more copies have started. */
+    int (*replay_next)(qc_backend *be, void *recording, const void *result, void *state, int32_t *ids,
+                       int32_t *pos, int64_t n_vocab);
+    int (*download_start)(qc_backend *be, const void *src, size_t bytes, int *ticket);
+    int (*download_finish)(qc_backend *be, int ticket, void *host_dst, size_t bytes);
 
     /* ---- optional (NULL where unsupported): a decode step's layers and lm_head at once ----
      * decode_step computes what the fused ops compute for one token over n_kv keys (the

@@ -94,6 +94,30 @@ typedef struct {
     float *act;               /* (rows, ffn_dim) silu(gate) * up */
 } qc_scratch;
 
+/* The decode step run ahead (backend.h's replay_next). A generation loop evals one token at a
+ * time, each the token the step before drew, at the next position, with the same sampler: then
+ * the host need not wait for a step's draw before the GPU starts the next one. After such an
+ * eval (`pipelined`: a replayed step that draws on the backend and hands back no logits) the
+ * session writes down the eval it expects next; when an eval meets that expectation, the step
+ * after it is queued on the device (replay_next: the token, position and RNG come from the draw
+ * in device memory) before this eval waits for its own draw. The next eval, if it is the
+ * expected one, finds its step running or done and only collects its draw; any other eval
+ * leaves the queued step's work behind it, which it overwrites before it reads (the step wrote
+ * the cache row past the position, which no eval reads before writing it again).
+ * An eval that does not meet the expectation queues nothing, so a loop that changes what it
+ * asks at every step (a growing penalty history, a new token) never pays for a wasted step. */
+typedef struct {
+    int valid;                /* the expectation below holds the next eval of a pipelined loop */
+    int pos;                  /* its position: the last step's plus one */
+    int32_t token;            /* its id: the last step's draw */
+    int bucket, kind;         /* its recording (decode_rec[bucket][kind]) */
+    void *state;              /* (state_bytes) its sampler state: the last one, the draw's RNG */
+    size_t state_bytes, state_cap;
+    int queued;               /* the step is queued (replay_next); its draw comes with ticket */
+    int ticket;
+    const char *path;         /* its last_path */
+} qc_ahead;
+
 /* Captured attention rows of one block: their q, positions, exact outputs, and the scores and
  * probabilities (n_head, rows, n_kv), on the backend. */
 typedef struct {
@@ -118,6 +142,9 @@ struct qc_session {
     int record_failed;        /* a decode step could not be recorded (and ran op by op) */
     int persistent_decode;    /* QWENCUDA_DECODE=persistent at creation: the one-launch step */
     const char *last_path;    /* how the last eval ran: "ops", "graph" or "persistent" */
+    int no_ahead;             /* QWENCUDA_DECODE_AHEAD=0 at creation: no step is run ahead */
+    int ran_ahead;            /* the last eval's step had been queued ahead */
+    qc_ahead ahead;
     qc_decode_layer *dec_layers;  /* [n_layer]: the weights and caches of decode_step's plan */
     qc_decode_plan dec;       /* decode_step's plan; its buffer pointers are set at each use */
     int dec_takes[2];         /* decode_step_takes per qc_kv_bucket (it depends on nothing else);
@@ -678,6 +705,9 @@ static int scratch_build(qc_backend *be, const qc_config *c, int rows, qc_scratc
 
 /* A recording holds the buffer pointers it was made with: forget it when they change. */
 static void drop_recording(qc_session *s) {
+    /* a step queued ahead may still be running its recording: let it end first */
+    if (s->ahead.queued && s->be->ops->synchronize(s->be) < 0) s->be->err.kind = QC_OK;
+    s->ahead.valid = s->ahead.queued = 0;
     for (int b = 0; b < 2; b++) {
         for (int i = 0; i < 3; i++) {
             if (s->decode_rec[b][i]) s->be->ops->recording_free(s->be, s->decode_rec[b][i]);
@@ -837,6 +867,10 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
      * default: on an H100 it decodes the 0.5B shapes faster (bench/results, 20261123-*-persistent) */
     const char *decode = getenv("QWENCUDA_DECODE");
     s->persistent_decode = decode && strcmp(decode, "persistent") == 0;
+    /* QWENCUDA_DECODE_AHEAD=0: no decode step is queued before the last one's draw is seen (to
+     * measure what running ahead gains) */
+    const char *ahead = getenv("QWENCUDA_DECODE_AHEAD");
+    s->no_ahead = ahead && strcmp(ahead, "0") == 0;
     s->last_path = NULL;
     s->dec_takes[0] = s->dec_takes[1] = -1;
     s->kv = calloc((size_t)c->n_layer, sizeof *s->kv);
@@ -885,6 +919,7 @@ void qc_session_free(qc_session *s) {
     buf_free(be, &s->sample_state);
     buf_free(be, &s->sample_work);
     buf_free(be, &s->sample_result);
+    free(s->ahead.state);
     free(s->host_pos);
     free(s->kv);
     free(s->dec_layers);
@@ -895,6 +930,7 @@ void qc_session_free(qc_session *s) {
 
 int qc_session_position(const qc_session *s) { return s->pos; }
 const char *qc_session_last_path(const qc_session *s) { return s->last_path; }
+int qc_session_ran_ahead(const qc_session *s) { return s->ran_ahead; }
 int qc_session_max_context(const qc_session *s) { return s->max_ctx; }
 int qc_session_kv_type(const qc_session *s) { return s->kv_type; }
 void qc_session_reset(qc_session *s) { s->pos = 0; }
@@ -1283,6 +1319,9 @@ static int upload_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
     return 0;
 }
 
+/* The recording a replayed one-token step over n_kv keys uses: decode_rec[qc_kv_bucket(n_kv)][rec_kind]. */
+static int rec_kind(const eval_plan *p) { return p->do_sample ? 1 + p->do_argmax : 0; }
+
 /* A decode step (one token, nothing captured) on a backend that can record: the ops are recorded
  * once per slot and the recording is replayed at every later step, one launch instead of
  * hundreds. Only the uploaded id, position and sampler state differ between replays. Returns 1
@@ -1290,7 +1329,7 @@ static int upload_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
 static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     qc_backend *be = s->be;
     const qc_backend_ops *op = be->ops;
-    void **slot = &s->decode_rec[qc_kv_bucket(p->n_kv)][p->do_sample ? 1 + p->do_argmax : 0];
+    void **slot = &s->decode_rec[qc_kv_bucket(p->n_kv)][rec_kind(p)];
     if (*slot == NULL) {
         void *rec = NULL;
         if (op->record_begin(be) < 0) {
@@ -1309,6 +1348,56 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     }
     if (op->replay(be, *slot) < 0) return qc_fail(err, be->err.kind, "%s", be->err.msg);
     return 1;
+}
+
+/* Whether this eval is the one the last pipelined eval expected (qc_ahead). */
+static int ahead_met(const qc_session *s, const eval_plan *p, const qc_eval_request *req, size_t sample_bytes) {
+    const qc_ahead *a = &s->ahead;
+    return a->valid && p->start == a->pos && req->ids[0] == a->token && qc_kv_bucket(p->n_kv) == a->bucket &&
+           rec_kind(p) == a->kind && sample_bytes == a->state_bytes && memcmp(req->sample, a->state, sample_bytes) == 0;
+}
+
+/* What the eval after this pipelined one is expected to be: the drawn token at the next
+ * position, the same recording kind, and this sampler state with the draw's RNG. -1: not
+ * expected at all (no memory for the state, or no room in the context). */
+static int ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_request *req, size_t sample_bytes,
+                        const qc_sample_result *drawn) {
+    qc_ahead *a = &s->ahead;
+    a->valid = 0;
+    if (p->start + 1 >= s->max_ctx || drawn->token < 0) return -1;
+    if (sample_bytes > a->state_cap) {
+        void *bigger = realloc(a->state, sample_bytes);
+        if (bigger == NULL) return -1;
+        a->state = bigger;
+        a->state_cap = sample_bytes;
+    }
+    memcpy(a->state, req->sample, sample_bytes);
+    if (drawn->rng != 0) ((qc_sample_state *)a->state)->rng = drawn->rng;   /* qc_sampler_set_rng's rule */
+    a->state_bytes = sample_bytes;
+    a->pos = p->start + 1;
+    a->token = drawn->token;
+    a->bucket = qc_kv_bucket(p->n_kv + 1);
+    a->kind = rec_kind(p);
+    a->valid = 1;
+    return 0;
+}
+
+/* Queue the step after this one (p: a pipelined eval that met the expectation, its step
+ * queued): its token, position and RNG come from this step's draw on the device. Nothing is
+ * queued where that step would not be a replay of a recording made already, or would pass the
+ * context. */
+static int ahead_queue(qc_session *s, const eval_plan *p) {
+    qc_backend *be = s->be;
+    qc_ahead *a = &s->ahead;
+    const int bucket = qc_kv_bucket(p->n_kv + 1), kind = rec_kind(p);
+    void *rec = s->decode_rec[bucket][kind];
+    if (p->start + 1 >= s->max_ctx || rec == NULL) return 0;
+    if (be->ops->replay_next(be, rec, s->sample_result, s->sample_state, s->sc.ids, s->sc.pos, s->m->cfg.n_vocab) < 0 ||
+        be->ops->download_start(be, s->sample_result, sizeof(qc_sample_result), &a->ticket) < 0)
+        return -1;
+    a->queued = 1;
+    a->path = s->persistent_decode && s->dec_takes[bucket] == 1 ? "persistent" : "graph";
+    return 0;
 }
 
 int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *res, qc_error *err) {
@@ -1336,8 +1425,16 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     if (p->want_head && ensure_logit_rows(s, p->head_rows < p->head_block ? p->head_rows : p->head_block, err) < 0)
         return -1;
     if (p->do_sample && ensure_sampling(s, sample_bytes, err) < 0) return -1;
-    /* the sampler's RNG and recent tokens, as this draw must see them */
-    if (p->do_sample && op->upload(be, s->sample_state, req->sample, sample_bytes) < 0) goto backend_fail;
+    /* a replayed step that draws on the backend and hands back only its draw: the step after it
+     * may run ahead (qc_ahead); this one may be running already */
+    const int pipelined = replayable && p->do_sample && !req->want_logits && op->replay_next && !s->no_ahead;
+    const int met = pipelined && ahead_met(s, p, req, sample_bytes);
+    const int queued = met && s->ahead.queued;
+    s->ahead.queued = 0;
+    s->ran_ahead = queued;
+    /* the sampler's RNG and recent tokens, as this draw must see them (a step queued ahead
+     * has them: met compared them) */
+    if (p->do_sample && !queued && op->upload(be, s->sample_state, req->sample, sample_bytes) < 0) goto backend_fail;
 
     /* a decode step that the backend runs in one launch (CUDA's persistent kernel), recorded
      * and replayed like the op-by-op step */
@@ -1349,7 +1446,11 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
         p->one_launch = *takes;
     }
     s->last_path = "ops";
-    if (replayable) {
+    int ticket = -1;   /* the draw's copy, when pipelined */
+    if (queued) {
+        ticket = s->ahead.ticket;
+        s->last_path = s->ahead.path;
+    } else if (replayable) {
         if (upload_chunk(s, p, 0, 1, err) < 0) return -1;
         const int replayed = decode_replayed(s, p, err);
         if (replayed < 0) return -1;
@@ -1358,6 +1459,7 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
             return -1;
         }
         s->last_path = p->one_launch ? "persistent" : replayed ? "graph" : "ops";
+        if (pipelined && op->download_start(be, s->sample_result, sizeof res->drawn, &ticket) < 0) goto backend_fail;
         if (req->want_logits &&
             (op->download(be, res->logits, s->logits, (size_t)c->n_vocab * sizeof(float)) < 0 ||
              op->download(be, res->argmax, s->amax, sizeof(int32_t)) < 0))
@@ -1369,16 +1471,27 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
         }
     }
 
+    /* the next step goes on the device before this one's draw is waited for */
+    if (pipelined && met && ahead_queue(s, p) < 0) goto backend_fail;
     /* a download waits for the work before it; without one, wait here */
-    if (p->do_sample && op->download(be, &res->drawn, s->sample_result, sizeof res->drawn) < 0) goto backend_fail;
+    if (pipelined) {
+        if (op->download_finish(be, ticket, &res->drawn, sizeof res->drawn) < 0) goto backend_fail;
+        if (ahead_expect(s, p, req, sample_bytes, &res->drawn) < 0) s->ahead.valid = 0;
+    } else {
+        s->ahead.valid = 0;
+        if (p->do_sample && op->download(be, &res->drawn, s->sample_result, sizeof res->drawn) < 0) goto backend_fail;
+    }
     if (!p->do_sample && !req->want_logits && op->synchronize(be) < 0) goto backend_fail;
-    if (p->do_sample && res->drawn.token < 0)   /* the eval stays undone: the position does not move */
+    if (p->do_sample && res->drawn.token < 0) {   /* the eval stays undone: the position does not move */
+        s->ahead.valid = s->ahead.queued = 0;
         return qc_fail(err, QC_ERR_VALUE, "no token can be sampled: every logit is NaN or -inf");
+    }
 
     /* the tokens are in the cache now: the next eval starts after them */
     s->pos += p->n;
     return 0;
 backend_fail:
+    s->ahead.valid = s->ahead.queued = 0;
     qc_fail(err, be->err.kind, "%s", be->err.msg);
     return -1;
 }

@@ -443,6 +443,12 @@ static PyObject *Session_get_last_path(SessionObject *so, void *closure) {
     return PyUnicode_FromString(path);
 }
 
+static PyObject *Session_get_ran_ahead(SessionObject *so, void *closure) {
+    (void)closure;
+    if (!session_usable(so)) return NULL;
+    return PyBool_FromLong(qc_session_ran_ahead(so->s));
+}
+
 static PyObject *Session_get_chunk(SessionObject *so, void *closure) {
     (void)closure;
     if (!session_usable(so)) return NULL;
@@ -527,6 +533,9 @@ static PyGetSetDef Session_getset[] = {
     {"last_path", (getter)Session_get_last_path, NULL,
      "how the last eval ran: 'ops' (op by op), 'graph' (the recorded op-by-op decode step) or 'persistent' "
      "(the recorded one-launch decode step, with QWENCUDA_DECODE=persistent); None before the first", NULL},
+    {"ran_ahead", (getter)Session_get_ran_ahead, NULL,
+     "whether the last eval's step had been queued on the device before it was asked for (a generation "
+     "loop's step, run ahead by the one before)", NULL},
     {"prefill_chunk", (getter)Session_get_chunk, (setter)Session_set_chunk,
      "most tokens per forward pass: longer evals run in chunks of this many", NULL},
     {"capture_budget", (getter)Session_get_budget, (setter)Session_set_budget,

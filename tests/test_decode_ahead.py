@@ -1,0 +1,213 @@
+"""The decode step run ahead (Session.ran_ahead; session.c's qc_ahead, backend.h's replay_next).
+
+In a generation loop (step(token, logits=None, sampler=s) with the token the step before drew)
+the next step is queued on the GPU before the host has seen that token: its id, position and
+RNG state are set on the device from the draw. These tests run scripted sequences of evals
+twice on one model, in a session that runs ahead and in one that does not
+(QWENCUDA_DECODE_AHEAD=0 at its creation), and require the same tokens and logits bit for bit:
+the queued step replays the same recording with the same inputs. Every script also checks
+ran_ahead: steps ran ahead where the loop allows it, never in the session that may not, and not
+right after an eval that broke the loop, so that no test passes by comparing the plain path
+with itself. Needs the GPU machine (the CPU has no recorded steps: test_cpu_never_runs_ahead).
+"""
+import numpy as np
+import pytest
+
+import qwencuda as qc
+from qwencuda import testing
+
+SAMPLERS = {
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.9, top_k=40, top_p=0.95, seed=7),
+}
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    d = tmp_path_factory.mktemp("decode_ahead")
+    made = {}
+
+    def get(config, weight_type):
+        if (config, weight_type) not in made:
+            path = str(d / f"{config}-{weight_type}.gguf")
+            testing.write_model(path, config=config, weight_type=weight_type)
+            made[config, weight_type] = path
+        return made[config, weight_type]
+    return get
+
+
+def _session(m, monkeypatch, ahead, **kw):
+    if ahead:
+        monkeypatch.delenv("QWENCUDA_DECODE_AHEAD", raising=False)
+    else:
+        monkeypatch.setenv("QWENCUDA_DECODE_AHEAD", "0")
+    s = m.session(**kw)
+    monkeypatch.delenv("QWENCUDA_DECODE_AHEAD", raising=False)
+    return s
+
+
+def _run(m, monkeypatch, ahead, script, sampler="greedy", **kw):
+    """Play script in a new session: a list of (action, argument). Returns one record per eval:
+    (action, token drawn or None, logits or None, position after, ran_ahead)."""
+    out = []
+    samp = qc.Sampler(m.config.n_vocab, **SAMPLERS[sampler])
+    with _session(m, monkeypatch, ahead, **kw) as s:
+        token = None
+
+        def record(action, tr):
+            nonlocal token
+            token = tr.token if tr.token is not None else token
+            logits = None if tr.logits is None else np.array(tr.logits, copy=True)
+            out.append((action, tr.token, logits, s.position, s.ran_ahead))
+
+        for action, arg in script:
+            if action == "prefill":        # arg: ids
+                record(action, s.prefill(arg, logits=None, sampler=samp))
+            elif action == "loop":         # arg: steps, each with the token drawn before
+                for _ in range(arg):
+                    record(action, s.step(token, logits=None, sampler=samp))
+            elif action == "other_token":  # a step with another id than the one drawn
+                record(action, s.step((token + 1) % m.config.n_vocab, logits=None, sampler=samp))
+            elif action == "logits":       # the drawn token, its logits handed back
+                record(action, s.step(token, sampler=samp))
+            elif action == "capture":      # the drawn token, an intermediate captured
+                record(action, s.step(token, logits=None, sampler=samp, capture="blk.0.attn_out"))
+            elif action == "argmax":       # the drawn token, no sampler: the argmax recording
+                tr = s.step(token)
+                out.append((action, int(tr.argmax[-1]), np.array(tr.logits, copy=True), s.position,
+                            s.ran_ahead))
+                token = int(tr.argmax[-1])
+            elif action == "rewind":       # no eval: a record without ran_ahead
+                s.rewind(arg)
+                out.append((action, None, None, s.position, None))
+            elif action == "sampler":      # arg: new settings; no eval
+                samp = qc.Sampler(m.config.n_vocab, **arg)
+                out.append((action, None, None, s.position, None))
+            else:
+                raise ValueError(action)
+    return out
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for i, (ra, rb) in enumerate(zip(a, b)):
+        assert ra[0] == rb[0] and ra[1] == rb[1] and ra[3] == rb[3], (i, ra[:2], rb[:2], ra[3], rb[3])
+        if ra[2] is not None or rb[2] is not None:
+            np.testing.assert_array_equal(ra[2], rb[2], err_msg=f"eval {i} ({ra[0]})")
+
+
+def _ahead_flags(records):
+    return [r[4] for r in records]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("config,weight_type", [("tiny-hd64", "q4_k_m"), ("tiny-hd128", "q8_0"),
+                                                ("tiny-gqa7", "f16")])
+def test_generation_loop_runs_ahead(synth, monkeypatch, config, weight_type, kv_type, sampler):
+    """prefill, then 24 steps each with the token drawn before: the same tokens ahead or not;
+    from the third step on every step was already queued (the first sets the expectation, the
+    second meets it and queues the third)."""
+    script = [("prefill", [3, 17, 99, 250, 7]), ("loop", 24)]
+    with qc.Model(synth(config, weight_type), device="cuda") as m:
+        on = _run(m, monkeypatch, True, script, sampler, max_context=64, kv_type=kv_type)
+        off = _run(m, monkeypatch, False, script, sampler, max_context=64, kv_type=kv_type)
+    _assert_same(on, off)
+    assert _ahead_flags(on) == [False, False, False] + [True] * 22
+    assert not any(_ahead_flags(off))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+def test_any_other_eval_leaves_the_queued_step_behind(synth, monkeypatch, sampler):
+    """A loop broken by every kind of eval the queued step does not serve (another token, logits
+    asked for, a capture, the argmax recording, a rewind, new sampler settings, a prefill):
+    each is computed as if nothing had been queued, and the loop runs ahead again after it."""
+    breaks = [("other_token", None), ("logits", None), ("capture", None), ("argmax", None),
+              ("rewind", 3), ("sampler", dict(temperature=0.5, seed=3)), ("prefill", [11, 12, 13])]
+    script = [("prefill", [5, 6, 7, 8])]
+    for b in breaks:
+        script += [("loop", 4), b]
+    script += [("loop", 4)]
+    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        on = _run(m, monkeypatch, True, script, sampler, max_context=96)
+        off = _run(m, monkeypatch, False, script, sampler, max_context=96)
+    _assert_same(on, off)
+    assert not any(_ahead_flags(off))
+    # after each break: its own eval (if it is one) and the next loop step ran as usual; the
+    # rest of each loop of 4 ran ahead
+    flags, actions = _ahead_flags(on), [r[0] for r in on]
+    for i, a in enumerate(actions):
+        if a != "loop":
+            assert flags[i] in (False, None), (i, a)
+            assert actions[i + 1] == "loop" and flags[i + 1] is False, (i, a)
+    assert sum(f is True for f in flags) >= 2 * (len(breaks) + 1)
+
+
+@pytest.mark.gpu
+def test_the_step_ahead_stops_at_the_context_end(synth, monkeypatch):
+    """A loop up to the last position: no step is queued past it, the tokens are the same, and
+    the eval after the last position is refused alike."""
+    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        recs = {ahead: _run(m, monkeypatch, ahead, [("prefill", [1, 2, 3]), ("loop", 10)], max_context=13)
+                for ahead in (True, False)}
+        _assert_same(recs[True], recs[False])
+        # the last step (position 12) was queued by the one before; it queued nothing
+        assert recs[True][-1][3] == 13 and recs[True][-1][4] is True
+        with _session(m, monkeypatch, True, max_context=4) as s:
+            samp = qc.Sampler(m.config.n_vocab)
+            tok = s.prefill([1, 2], logits=None, sampler=samp).token
+            tok = s.step(tok, logits=None, sampler=samp).token
+            tok = s.step(tok, logits=None, sampler=samp).token
+            with pytest.raises(ValueError, match="context full"):
+                s.step(tok, logits=None, sampler=samp)
+            assert s.position == 4
+
+
+@pytest.mark.gpu
+def test_the_step_ahead_across_the_long_context_bucket(synth, monkeypatch):
+    """Steps that cross QC_KV_SHORT (3072) keys, where the recording changes (the split-K
+    attention gives way to the flash kernel): the first step past it is recorded, not queued,
+    and the loop runs ahead again after it, with the same tokens."""
+    prompt = list(np.random.default_rng(0).integers(0, 400, 3066))
+    script = [("prefill", prompt), ("loop", 14)]
+    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        on = _run(m, monkeypatch, True, script, "sampled", max_context=3100)
+        off = _run(m, monkeypatch, False, script, "sampled", max_context=3100)
+    _assert_same(on, off)
+    flags = _ahead_flags(on)
+    # loop step i (record i) runs at position 3065 + i over 3066 + i keys: step 7, over 3073,
+    # is the first of the long bucket, whose recording step 6 could not replay
+    assert flags == [False] * 3 + [True] * 4 + [False] + [True] * 7
+
+
+@pytest.mark.gpu
+def test_two_sessions_in_lockstep(synth, monkeypatch):
+    """Two generation loops on one model, one step each in turn: each session's step queued
+    ahead runs between the other's evals; both draw what they draw alone."""
+    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        alone = [_run(m, monkeypatch, True, [("prefill", p), ("loop", 12)], "sampled", max_context=32)
+                 for p in ([1, 2, 3], [40, 50])]
+        samplers = [qc.Sampler(m.config.n_vocab, **SAMPLERS["sampled"]) for _ in range(2)]
+        with m.session(max_context=32) as a, m.session(max_context=32) as b:
+            toks = [[a.prefill([1, 2, 3], logits=None, sampler=samplers[0]).token],
+                    [b.prefill([40, 50], logits=None, sampler=samplers[1]).token]]
+            ahead = []
+            for _ in range(12):
+                for i, s in enumerate((a, b)):
+                    toks[i].append(s.step(toks[i][-1], logits=None, sampler=samplers[i]).token)
+                    ahead.append(s.ran_ahead)
+    for i in range(2):
+        assert toks[i] == [r[1] for r in alone[i]]
+    assert sum(ahead) >= 18
+
+
+def test_cpu_never_runs_ahead(synth):
+    """The CPU has no recorded steps: a generation loop runs each step when asked."""
+    with qc.Model(synth("tiny", "q8_0"), device="cpu") as m, m.session(max_context=16) as s:
+        samp = qc.Sampler(m.config.n_vocab)
+        tok = s.prefill([1, 2, 3], logits=None, sampler=samp).token
+        for _ in range(5):
+            tok = s.step(tok, logits=None, sampler=samp).token
+            assert s.ran_ahead is False
