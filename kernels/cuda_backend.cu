@@ -214,12 +214,6 @@ static int cu_replay(qc_backend *be, void *recording) {
     return QC_CUDA(be, cudaGraphLaunch((cudaGraphExec_t)recording, qc_cuda_of(be)->stream));
 }
 
-static int cu_replay_next(qc_backend *be, void *recording, const void *result, void *state, int32_t *ids,
-                          int32_t *pos, int64_t n_vocab) {
-    if (use_device(be) < 0 || qc_cuda_feed_draw(be, result, state, ids, pos, n_vocab) < 0) return -1;
-    return QC_CUDA(be, cudaGraphLaunch((cudaGraphExec_t)recording, qc_cuda_of(be)->stream));
-}
-
 static int cu_download_start(qc_backend *be, const void *src, size_t bytes, int *ticket) {
     qc_cuda *cu = qc_cuda_of(be);
     *ticket = -1;
@@ -322,7 +316,7 @@ static qc_backend_ops make_cuda_ops(void) {
     ops.record_end = cu_record_end;
     ops.replay = cu_replay;
     ops.recording_free = cu_recording_free;
-    ops.replay_next = cu_replay_next;
+    ops.feed_draw = on_device<int(qc_backend *, const void *, void *, int32_t *, int32_t *, int64_t)>::run<qc_cuda_feed_draw>;
     ops.download_start = cu_download_start;
     ops.download_finish = cu_download_finish;
     ops.decode_step_takes = cu_decode_step_takes;

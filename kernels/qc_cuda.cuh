@@ -135,7 +135,7 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
 /* Whether the attention op (without scores) of n tokens over n_kv keys runs the split-K
  * kernel, as the persistent decode kernel does (attention.cu). */
 int qc_cuda_attention_splits(qc_backend *be, int kv_type, int n, int n_kv, int n_head, int head_dim);
-/* replay_next's inputs of the next step (backend.h), from the draw in result (sample.cu). */
+/* feed_draw (backend.h): the next step's inputs from the draw in result (sample.cu). */
 int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
                       int64_t n_vocab);
 

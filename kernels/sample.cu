@@ -552,10 +552,11 @@ int qc_cuda_sample(qc_backend *be, const float *logits, int64_t n_vocab, const v
     return QC_LAUNCHED(be, "qc_sample_kernel");
 }
 
-/* replay_next's first part (backend.h): the next decode step's inputs from this step's draw, in
- * device memory, so that the host can queue that step before it has seen the token. */
+/* feed_draw (backend.h): the next decode step's inputs from this step's draw, in device memory,
+ * so that the host can queue that step before it has seen the token. */
 __global__ void qc_feed_draw_kernel(const qc_sample_result *result, qc_sample_state *state, int32_t *ids,
                                     int32_t *pos, int64_t n_vocab) {
+    qc_grid_start();
     const int32_t token = result->token;
     ids[0] = token >= 0 && token < n_vocab ? token : 0;
     pos[0] += 1;
@@ -564,8 +565,7 @@ __global__ void qc_feed_draw_kernel(const qc_sample_result *result, qc_sample_st
 
 int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
                       int64_t n_vocab) {
-    /* a plain launch: it follows a graph, whose last kernel it must not overlap */
-    qc_feed_draw_kernel<<<1, 1, 0, qc_cuda_of(be)->stream>>>((const qc_sample_result *)result,
-                                                             (qc_sample_state *)state, ids, pos, n_vocab);
+    qc_launch(qc_cuda_of(be), qc_feed_draw_kernel, dim3(1), dim3(1), 0, (const qc_sample_result *)result,
+              (qc_sample_state *)state, ids, pos, n_vocab);
     return QC_LAUNCHED(be, "qc_feed_draw_kernel");
 }

@@ -1,4 +1,4 @@
-"""The decode step run ahead (Session.ran_ahead; session.c's qc_ahead, backend.h's replay_next).
+"""The decode step run ahead (Session.ran_ahead; session.c's qc_ahead, backend.h's feed_draw).
 
 In a generation loop (step(token, logits=None, sampler=s) with the token the step before drew)
 the next step is queued on the GPU before the host has seen that token: its id, position and

@@ -215,18 +215,18 @@ typedef struct qc_backend_ops {
 
     /* ---- optional (NULL where unsupported): the next decode step, queued before the host has
      * seen this step's token ----
-     * replay_next replays a recorded decode step for the token that the step before it drew on
-     * the backend, with none of the host's uploads: first, in backend memory, ids[0] = the
-     * token of `result` (the qc_sample_result that step wrote; an id outside [0, n_vocab)
-     * becomes 0, so that no row out of range is read), pos[0] += 1, and the RNG of `state`
-     * (the draw's qc_sample_state) = the result's unless that is 0 (qc_sampler_set_rng's rule);
-     * then the replay.
+     * feed_draw sets a decode step's inputs from the draw of the step before, in backend
+     * memory: ids[0] = the token of `result` (the qc_sample_result that step wrote; an id
+     * outside [0, n_vocab) becomes 0, so that no row out of range is read), pos[0] += 1, and
+     * the RNG of `state` (the draw's qc_sample_state) = the result's unless that is 0
+     * (qc_sampler_set_rng's rule). A recorded step that draws ends with it (session.c), so that
+     * replaying the recording again, with no upload, runs the step for the token it drew.
      * download_start queues a copy of bytes (<= QC_DOWNLOAD_AHEAD_BYTES) from src into the
      * backend's own host memory and returns at once with a ticket; download_finish waits for
      * that copy alone, not for the work queued after it, and hands its bytes over. A ticket
      * is good until QC_DOWNLOAD_TICKETS more copies have started. */
-    int (*replay_next)(qc_backend *be, void *recording, const void *result, void *state, int32_t *ids,
-                       int32_t *pos, int64_t n_vocab);
+    int (*feed_draw)(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
+                     int64_t n_vocab);
     int (*download_start)(qc_backend *be, const void *src, size_t bytes, int *ticket);
     int (*download_finish)(qc_backend *be, int ticket, void *host_dst, size_t bytes);
 

@@ -94,13 +94,13 @@ typedef struct {
     float *act;               /* (rows, ffn_dim) silu(gate) * up */
 } qc_scratch;
 
-/* The decode step run ahead (backend.h's replay_next). A generation loop evals one token at a
+/* The decode step run ahead (backend.h's feed_draw). A generation loop evals one token at a
  * time, each the token the step before drew, at the next position, with the same sampler: then
  * the host need not wait for a step's draw before the GPU starts the next one. After such an
  * eval (`pipelined`: a replayed step that draws on the backend and hands back no logits) the
  * session writes down the eval it expects next; when an eval meets that expectation, the step
- * after it is queued on the device (replay_next: the token, position and RNG come from the draw
- * in device memory) before this eval waits for its own draw. The next eval, if it is the
+ * after it is queued on the device (the recording again: its last op, feed_draw, set the token,
+ * position and RNG from the draw in device memory) before this eval waits for its own draw. The next eval, if it is the
  * expected one, finds its step running or done and only collects its draw; any other eval
  * leaves the queued step's work behind it, which it overwrites before it reads (the step wrote
  * the cache row past the position, which no eval reads before writing it again).
@@ -113,7 +113,7 @@ typedef struct {
     int bucket, kind;         /* its recording (decode_rec[bucket][kind]) */
     void *state;              /* (state_bytes) its sampler state: the last one, the draw's RNG */
     size_t state_bytes, state_cap;
-    int queued;               /* the step is queued (replay_next); its draw comes with ticket */
+    int queued;               /* the step is queued; its draw comes with ticket */
     int ticket;
     const char *path;         /* its last_path */
 } qc_ahead;
@@ -1326,6 +1326,7 @@ static int rec_kind(const eval_plan *p) { return p->do_sample ? 1 + p->do_argmax
  * once per slot and the recording is replayed at every later step, one launch instead of
  * hundreds. Only the uploaded id, position and sampler state differ between replays. Returns 1
  * when it ran the step, 0 when the step must run op by op. */
+static int ahead_feeds(const qc_session *s, const eval_plan *p);
 static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     qc_backend *be = s->be;
     const qc_backend_ops *op = be->ops;
@@ -1336,7 +1337,11 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
             s->record_failed = 1;
             return 0;
         }
-        const int ran = forward_chunk(s, p, 0, 1, err);
+        int ran = forward_chunk(s, p, 0, 1, err);
+        /* a step of a pipelined loop ends by feeding its draw to the next (qc_ahead) */
+        if (ran >= 0 && ahead_feeds(s, p) &&
+            op->feed_draw(be, s->sample_result, s->sample_state, s->sc.ids, s->sc.pos, s->m->cfg.n_vocab) < 0)
+            ran = qc_fail(err, be->err.kind, "%s", be->err.msg);
         if (op->record_end(be, &rec) < 0 || ran < 0) {
             /* not recordable on this backend after all: op by op from now on, unless the step
              * fails op by op too (then the eval's own error, not the recording, was at fault) */
@@ -1348,6 +1353,12 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     }
     if (op->replay(be, *slot) < 0) return qc_fail(err, be->err.kind, "%s", be->err.msg);
     return 1;
+}
+
+/* Whether a replayed step (p) is a pipelined one: it draws on the backend and hands back nothing
+ * else (its recording, kind 1, is only ever used so), on a backend that can feed the draw. */
+static int ahead_feeds(const qc_session *s, const eval_plan *p) {
+    return p->do_sample && !p->req->want_logits && rec_kind(p) == 1 && s->be->ops->feed_draw && !s->no_ahead;
 }
 
 /* Whether this eval is the one the last pipelined eval expected (qc_ahead). */
@@ -1383,7 +1394,8 @@ static int ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_request
 }
 
 /* Queue the step after this one (p: a pipelined eval that met the expectation, its step
- * queued): its token, position and RNG come from this step's draw on the device. Nothing is
+ * queued): its token, position and RNG come from this step's draw on the device, where the
+ * recording's last op (feed_draw) put them. Nothing is
  * queued where that step would not be a replay of a recording made already, or would pass the
  * context. */
 static int ahead_queue(qc_session *s, const eval_plan *p) {
@@ -1392,7 +1404,7 @@ static int ahead_queue(qc_session *s, const eval_plan *p) {
     const int bucket = qc_kv_bucket(p->n_kv + 1), kind = rec_kind(p);
     void *rec = s->decode_rec[bucket][kind];
     if (p->start + 1 >= s->max_ctx || rec == NULL) return 0;
-    if (be->ops->replay_next(be, rec, s->sample_result, s->sample_state, s->sc.ids, s->sc.pos, s->m->cfg.n_vocab) < 0 ||
+    if (be->ops->replay(be, rec) < 0 ||
         be->ops->download_start(be, s->sample_result, sizeof(qc_sample_result), &a->ticket) < 0)
         return -1;
     a->queued = 1;
@@ -1427,7 +1439,7 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     if (p->do_sample && ensure_sampling(s, sample_bytes, err) < 0) return -1;
     /* a replayed step that draws on the backend and hands back only its draw: the step after it
      * may run ahead (qc_ahead); this one may be running already */
-    const int pipelined = replayable && p->do_sample && !req->want_logits && op->replay_next && !s->no_ahead;
+    const int pipelined = replayable && ahead_feeds(s, p);
     const int met = pipelined && ahead_met(s, p, req, sample_bytes);
     const int queued = met && s->ahead.queued;
     s->ahead.queued = 0;

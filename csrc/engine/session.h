@@ -77,7 +77,7 @@ int qc_session_kv_type(const qc_session *s);
  * first. */
 const char *qc_session_last_path(const qc_session *s);
 /* Whether the last eval's step had been queued on the backend before it was asked for: a step
- * of a generation loop that the step before ran ahead (backend.h's replay_next); its draw is
+ * of a generation loop that the step before ran ahead (backend.h's feed_draw); its draw is
  * the same either way. */
 int qc_session_ran_ahead(const qc_session *s);
 void qc_session_reset(qc_session *s);
