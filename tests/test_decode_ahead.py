@@ -48,7 +48,7 @@ def _session(m, monkeypatch, ahead, **kw):
 
 def _run(m, monkeypatch, ahead, script, sampler="greedy", **kw):
     """Play script in a new session: a list of (action, argument). Returns one record per eval:
-    (action, token drawn or None, logits or None, position after, ran_ahead)."""
+    (action, token drawn or None, logits or None, position after, ran_ahead, last_path)."""
     out = []
     samp = qc.Sampler(m.config.n_vocab, **SAMPLERS[sampler])
     with _session(m, monkeypatch, ahead, **kw) as s:
@@ -58,7 +58,7 @@ def _run(m, monkeypatch, ahead, script, sampler="greedy", **kw):
             nonlocal token
             token = tr.token if tr.token is not None else token
             logits = None if tr.logits is None else np.array(tr.logits, copy=True)
-            out.append((action, tr.token, logits, s.position, s.ran_ahead))
+            out.append((action, tr.token, logits, s.position, s.ran_ahead, s.last_path))
 
         for action, arg in script:
             if action == "prefill":        # arg: ids
@@ -75,14 +75,14 @@ def _run(m, monkeypatch, ahead, script, sampler="greedy", **kw):
             elif action == "argmax":       # the drawn token, no sampler: the argmax recording
                 tr = s.step(token)
                 out.append((action, int(tr.argmax[-1]), np.array(tr.logits, copy=True), s.position,
-                            s.ran_ahead))
+                            s.ran_ahead, s.last_path))
                 token = int(tr.argmax[-1])
             elif action == "rewind":       # no eval: a record without ran_ahead
                 s.rewind(arg)
-                out.append((action, None, None, s.position, None))
+                out.append((action, None, None, s.position, None, None))
             elif action == "sampler":      # arg: new settings; no eval
                 samp = qc.Sampler(m.config.n_vocab, **arg)
-                out.append((action, None, None, s.position, None))
+                out.append((action, None, None, s.position, None, None))
             else:
                 raise ValueError(action)
     return out
@@ -143,6 +143,22 @@ def test_any_other_eval_leaves_the_queued_step_behind(synth, monkeypatch, sample
             assert flags[i] in (False, None), (i, a)
             assert actions[i + 1] == "loop" and flags[i + 1] is False, (i, a)
     assert sum(f is True for f in flags) >= 2 * (len(breaks) + 1)
+
+
+@pytest.mark.gpu
+def test_the_persistent_kernel_runs_ahead(synth, monkeypatch):
+    """QWENCUDA_DECODE=persistent: the recorded step is the one-launch decode kernel, fed and
+    queued as the op-by-op recording is; its draws equal the op-by-op step's without running
+    ahead (the kernel's bits are the op-by-op step's: test_decode_step.py)."""
+    script = [("prefill", [3, 17, 99]), ("loop", 16)]
+    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        monkeypatch.setenv("QWENCUDA_DECODE", "persistent")
+        on = _run(m, monkeypatch, True, script, "sampled", max_context=64)
+        monkeypatch.delenv("QWENCUDA_DECODE")
+        off = _run(m, monkeypatch, False, script, "sampled", max_context=64)
+    _assert_same(on, off)
+    assert _ahead_flags(on) == [False] * 3 + [True] * 14
+    assert {r[5] for r in on[1:]} == {"persistent"} and {r[5] for r in off[1:]} == {"graph"}
 
 
 @pytest.mark.gpu
