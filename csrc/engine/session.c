@@ -99,11 +99,12 @@ typedef struct {
  * the host need not wait for a step's draw before the GPU starts the next one. After such an
  * eval (`pipelined`: a replayed step that draws on the backend and hands back no logits) the
  * session writes down the eval it expects next; when an eval meets that expectation, the step
- * after it is queued on the device (the recording again: its last op, feed_draw, set the token,
- * position and RNG from the draw in device memory) before this eval waits for its own draw. The next eval, if it is the
- * expected one, finds its step running or done and only collects its draw; any other eval
- * leaves the queued step's work behind it, which it overwrites before it reads (the step wrote
- * the cache row past the position, which no eval reads before writing it again).
+ * after it is queued on the device before this eval waits for its own draw: the recording
+ * again, whose last op (feed_draw) set the token, position and RNG from the draw in device
+ * memory. The next eval, if it is the expected one, finds its step running or done and only
+ * collects its draw; any other eval leaves the queued step's work behind it, which it
+ * overwrites before it reads (the step wrote the cache row past the position, which no eval
+ * reads before writing it again).
  * An eval that does not meet the expectation queues nothing, so a loop that changes what it
  * asks at every step (a growing penalty history, a new token) never pays for a wasted step. */
 typedef struct {
@@ -1319,14 +1320,21 @@ static int upload_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
     return 0;
 }
 
-/* The recording a replayed one-token step over n_kv keys uses: decode_rec[qc_kv_bucket(n_kv)][rec_kind]. */
+/* The recording a replayed one-token step over n_kv keys uses:
+ * decode_rec[qc_kv_bucket(n_kv)][rec_kind]. */
 static int rec_kind(const eval_plan *p) { return p->do_sample ? 1 + p->do_argmax : 0; }
+
+/* Whether a replayed step (p) is a pipelined one (qc_ahead): it draws on the backend and hands
+ * back nothing else (its recording, kind 1, is only ever used so), on a backend that can feed
+ * the draw to the next step. */
+static int ahead_feeds(const qc_session *s, const eval_plan *p) {
+    return p->do_sample && !p->req->want_logits && rec_kind(p) == 1 && s->be->ops->feed_draw && !s->no_ahead;
+}
 
 /* A decode step (one token, nothing captured) on a backend that can record: the ops are recorded
  * once per slot and the recording is replayed at every later step, one launch instead of
  * hundreds. Only the uploaded id, position and sampler state differ between replays. Returns 1
  * when it ran the step, 0 when the step must run op by op. */
-static int ahead_feeds(const qc_session *s, const eval_plan *p);
 static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     qc_backend *be = s->be;
     const qc_backend_ops *op = be->ops;
@@ -1355,12 +1363,6 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     return 1;
 }
 
-/* Whether a replayed step (p) is a pipelined one: it draws on the backend and hands back nothing
- * else (its recording, kind 1, is only ever used so), on a backend that can feed the draw. */
-static int ahead_feeds(const qc_session *s, const eval_plan *p) {
-    return p->do_sample && !p->req->want_logits && rec_kind(p) == 1 && s->be->ops->feed_draw && !s->no_ahead;
-}
-
 /* Whether this eval is the one the last pipelined eval expected (qc_ahead). */
 static int ahead_met(const qc_session *s, const eval_plan *p, const qc_eval_request *req, size_t sample_bytes) {
     const qc_ahead *a = &s->ahead;
@@ -1369,16 +1371,16 @@ static int ahead_met(const qc_session *s, const eval_plan *p, const qc_eval_requ
 }
 
 /* What the eval after this pipelined one is expected to be: the drawn token at the next
- * position, the same recording kind, and this sampler state with the draw's RNG. -1: not
- * expected at all (no memory for the state, or no room in the context). */
-static int ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_request *req, size_t sample_bytes,
-                        const qc_sample_result *drawn) {
+ * position, the same recording kind, and this sampler state with the draw's RNG. Nothing is
+ * expected where there is no room in the context, or no memory for the state. */
+static void ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_request *req, size_t sample_bytes,
+                         const qc_sample_result *drawn) {
     qc_ahead *a = &s->ahead;
     a->valid = 0;
-    if (p->start + 1 >= s->max_ctx || drawn->token < 0) return -1;
+    if (p->start + 1 >= s->max_ctx || drawn->token < 0) return;
     if (sample_bytes > a->state_cap) {
         void *bigger = realloc(a->state, sample_bytes);
-        if (bigger == NULL) return -1;
+        if (bigger == NULL) return;
         a->state = bigger;
         a->state_cap = sample_bytes;
     }
@@ -1390,14 +1392,12 @@ static int ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_request
     a->bucket = qc_kv_bucket(p->n_kv + 1);
     a->kind = rec_kind(p);
     a->valid = 1;
-    return 0;
 }
 
-/* Queue the step after this one (p: a pipelined eval that met the expectation, its step
- * queued): its token, position and RNG come from this step's draw on the device, where the
- * recording's last op (feed_draw) put them. Nothing is
- * queued where that step would not be a replay of a recording made already, or would pass the
- * context. */
+/* Queue the step after this one (p: a pipelined eval that met the expectation): its token,
+ * position and RNG come from this step's draw on the device, where the recording's last op
+ * (feed_draw) put them. Nothing is queued where that step would not be a replay of a recording
+ * made already, or would pass the context. */
 static int ahead_queue(qc_session *s, const eval_plan *p) {
     qc_backend *be = s->be;
     qc_ahead *a = &s->ahead;
@@ -1488,7 +1488,7 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     /* a download waits for the work before it; without one, wait here */
     if (pipelined) {
         if (op->download_finish(be, ticket, &res->drawn, sizeof res->drawn) < 0) goto backend_fail;
-        if (ahead_expect(s, p, req, sample_bytes, &res->drawn) < 0) s->ahead.valid = 0;
+        ahead_expect(s, p, req, sample_bytes, &res->drawn);
     } else {
         s->ahead.valid = 0;
         if (p->do_sample && op->download(be, &res->drawn, s->sample_result, sizeof res->drawn) < 0) goto backend_fail;
