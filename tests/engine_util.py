@@ -28,6 +28,21 @@ def model_file(config="tiny", weight_type="f32", tied=None, seed=0):
     return _FILES[key]
 
 
+def session_with_env(model, monkeypatch, env, **kw):
+    """model.session(**kw) created with the environment variables env ({name: value, or None
+    for unset}) in place, the switches a session reads at its creation (QWENCUDA_DECODE,
+    QWENCUDA_DECODE_AHEAD); each is unset again afterwards."""
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    s = model.session(**kw)
+    for name in env:
+        monkeypatch.delenv(name, raising=False)
+    return s
+
+
 def scratch_dir():
     model_file()   # creates the folder
     return _DIR

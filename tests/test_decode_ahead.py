@@ -14,44 +14,25 @@ import numpy as np
 import pytest
 
 import qwencuda as qc
-from qwencuda import testing
+from engine_util import model_file, session_with_env
 
 SAMPLERS = {
     "greedy": dict(temperature=0.0),
     "sampled": dict(temperature=0.9, top_k=40, top_p=0.95, seed=7),
 }
 
-
-@pytest.fixture(scope="module")
-def synth(tmp_path_factory):
-    d = tmp_path_factory.mktemp("decode_ahead")
-    made = {}
-
-    def get(config, weight_type):
-        if (config, weight_type) not in made:
-            path = str(d / f"{config}-{weight_type}.gguf")
-            testing.write_model(path, config=config, weight_type=weight_type)
-            made[config, weight_type] = path
-        return made[config, weight_type]
-    return get
+# the environment of a session that runs ahead (the default), and of one that may not
+AHEAD = {"QWENCUDA_DECODE_AHEAD": None}
+NOT_AHEAD = {"QWENCUDA_DECODE_AHEAD": "0"}
 
 
-def _session(m, monkeypatch, ahead, **kw):
-    if ahead:
-        monkeypatch.delenv("QWENCUDA_DECODE_AHEAD", raising=False)
-    else:
-        monkeypatch.setenv("QWENCUDA_DECODE_AHEAD", "0")
-    s = m.session(**kw)
-    monkeypatch.delenv("QWENCUDA_DECODE_AHEAD", raising=False)
-    return s
-
-
-def _run(m, monkeypatch, ahead, script, sampler="greedy", **kw):
-    """Play script in a new session: a list of (action, argument). Returns one record per eval:
-    (action, token drawn or None, logits or None, position after, ran_ahead, last_path)."""
+def _run(m, monkeypatch, env, script, sampler="greedy", **kw):
+    """Play script in a new session made under env: a list of (action, argument). Returns one
+    record per eval: (action, token drawn or None, logits or None, position after, ran_ahead,
+    last_path)."""
     out = []
     samp = qc.Sampler(m.config.n_vocab, **SAMPLERS[sampler])
-    with _session(m, monkeypatch, ahead, **kw) as s:
+    with session_with_env(m, monkeypatch, env, **kw) as s:
         token = None
 
         def record(action, tr):
@@ -105,14 +86,14 @@ def _ahead_flags(records):
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
 @pytest.mark.parametrize("config,weight_type", [("tiny-hd64", "q4_k_m"), ("tiny-hd128", "q8_0"),
                                                 ("tiny-gqa7", "f16")])
-def test_generation_loop_runs_ahead(synth, monkeypatch, config, weight_type, kv_type, sampler):
+def test_generation_loop_runs_ahead(monkeypatch, config, weight_type, kv_type, sampler):
     """prefill, then 24 steps each with the token drawn before: the same tokens ahead or not;
     from the third step on every step was already queued (the first sets the expectation, the
     second meets it and queues the third)."""
     script = [("prefill", [3, 17, 99, 250, 7]), ("loop", 24)]
-    with qc.Model(synth(config, weight_type), device="cuda") as m:
-        on = _run(m, monkeypatch, True, script, sampler, max_context=64, kv_type=kv_type)
-        off = _run(m, monkeypatch, False, script, sampler, max_context=64, kv_type=kv_type)
+    with qc.Model(model_file(config, weight_type), device="cuda") as m:
+        on = _run(m, monkeypatch, AHEAD, script, sampler, max_context=64, kv_type=kv_type)
+        off = _run(m, monkeypatch, NOT_AHEAD, script, sampler, max_context=64, kv_type=kv_type)
     _assert_same(on, off)
     assert _ahead_flags(on) == [False, False, False] + [True] * 22
     assert not any(_ahead_flags(off))
@@ -120,7 +101,7 @@ def test_generation_loop_runs_ahead(synth, monkeypatch, config, weight_type, kv_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sampler", sorted(SAMPLERS))
-def test_any_other_eval_leaves_the_queued_step_behind(synth, monkeypatch, sampler):
+def test_any_other_eval_leaves_the_queued_step_behind(monkeypatch, sampler):
     """A loop broken by every kind of eval the queued step does not serve (another token, logits
     asked for, a capture, the argmax recording, a rewind, new sampler settings, a prefill):
     each is computed as if nothing had been queued, and the loop runs ahead again after it."""
@@ -130,9 +111,9 @@ def test_any_other_eval_leaves_the_queued_step_behind(synth, monkeypatch, sample
     for b in breaks:
         script += [("loop", 4), b]
     script += [("loop", 4)]
-    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
-        on = _run(m, monkeypatch, True, script, sampler, max_context=96)
-        off = _run(m, monkeypatch, False, script, sampler, max_context=96)
+    with qc.Model(model_file("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        on = _run(m, monkeypatch, AHEAD, script, sampler, max_context=96)
+        off = _run(m, monkeypatch, NOT_AHEAD, script, sampler, max_context=96)
     _assert_same(on, off)
     assert not any(_ahead_flags(off))
     # after each break: its own eval (if it is one) and the next loop step ran as usual; the
@@ -146,32 +127,30 @@ def test_any_other_eval_leaves_the_queued_step_behind(synth, monkeypatch, sample
 
 
 @pytest.mark.gpu
-def test_the_persistent_kernel_runs_ahead(synth, monkeypatch):
+def test_the_persistent_kernel_runs_ahead(monkeypatch):
     """QWENCUDA_DECODE=persistent: the recorded step is the one-launch decode kernel, fed and
     queued as the op-by-op recording is; its draws equal the op-by-op step's without running
     ahead (the kernel's bits are the op-by-op step's: test_decode_step.py)."""
     script = [("prefill", [3, 17, 99]), ("loop", 16)]
-    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
-        monkeypatch.setenv("QWENCUDA_DECODE", "persistent")
-        on = _run(m, monkeypatch, True, script, "sampled", max_context=64)
-        monkeypatch.delenv("QWENCUDA_DECODE")
-        off = _run(m, monkeypatch, False, script, "sampled", max_context=64)
+    with qc.Model(model_file("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        on = _run(m, monkeypatch, dict(AHEAD, QWENCUDA_DECODE="persistent"), script, "sampled", max_context=64)
+        off = _run(m, monkeypatch, dict(NOT_AHEAD, QWENCUDA_DECODE=None), script, "sampled", max_context=64)
     _assert_same(on, off)
     assert _ahead_flags(on) == [False] * 3 + [True] * 14
     assert {r[5] for r in on[1:]} == {"persistent"} and {r[5] for r in off[1:]} == {"graph"}
 
 
 @pytest.mark.gpu
-def test_the_step_ahead_stops_at_the_context_end(synth, monkeypatch):
+def test_the_step_ahead_stops_at_the_context_end(monkeypatch):
     """A loop up to the last position: no step is queued past it, the tokens are the same, and
     the eval after the last position is refused alike."""
-    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
-        recs = {ahead: _run(m, monkeypatch, ahead, [("prefill", [1, 2, 3]), ("loop", 10)], max_context=13)
-                for ahead in (True, False)}
-        _assert_same(recs[True], recs[False])
+    with qc.Model(model_file("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        on, off = (_run(m, monkeypatch, env, [("prefill", [1, 2, 3]), ("loop", 10)], max_context=13)
+                   for env in (AHEAD, NOT_AHEAD))
+        _assert_same(on, off)
         # the last step (position 12) was queued by the one before; it queued nothing
-        assert recs[True][-1][3] == 13 and recs[True][-1][4] is True
-        with _session(m, monkeypatch, True, max_context=4) as s:
+        assert on[-1][3] == 13 and on[-1][4] is True
+        with session_with_env(m, monkeypatch, AHEAD, max_context=4) as s:
             samp = qc.Sampler(m.config.n_vocab)
             tok = s.prefill([1, 2], logits=None, sampler=samp).token
             tok = s.step(tok, logits=None, sampler=samp).token
@@ -182,15 +161,15 @@ def test_the_step_ahead_stops_at_the_context_end(synth, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_the_step_ahead_across_the_long_context_bucket(synth, monkeypatch):
+def test_the_step_ahead_across_the_long_context_bucket(monkeypatch):
     """Steps that cross QC_KV_SHORT (3072) keys, where the recording changes (the split-K
     attention gives way to the flash kernel): the first step past it is recorded, not queued,
     and the loop runs ahead again after it, with the same tokens."""
     prompt = list(np.random.default_rng(0).integers(0, 400, 3066))
     script = [("prefill", prompt), ("loop", 14)]
-    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
-        on = _run(m, monkeypatch, True, script, "sampled", max_context=3100)
-        off = _run(m, monkeypatch, False, script, "sampled", max_context=3100)
+    with qc.Model(model_file("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        on = _run(m, monkeypatch, AHEAD, script, "sampled", max_context=3100)
+        off = _run(m, monkeypatch, NOT_AHEAD, script, "sampled", max_context=3100)
     _assert_same(on, off)
     flags = _ahead_flags(on)
     # loop step i (record i) runs at position 3065 + i over 3066 + i keys: step 7, over 3073,
@@ -199,14 +178,15 @@ def test_the_step_ahead_across_the_long_context_bucket(synth, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_two_sessions_in_lockstep(synth, monkeypatch):
+def test_two_sessions_in_lockstep(monkeypatch):
     """Two generation loops on one model, one step each in turn: each session's step queued
     ahead runs between the other's evals; both draw what they draw alone."""
-    with qc.Model(synth("tiny-hd64", "q4_k_m"), device="cuda") as m:
-        alone = [_run(m, monkeypatch, True, [("prefill", p), ("loop", 12)], "sampled", max_context=32)
+    with qc.Model(model_file("tiny-hd64", "q4_k_m"), device="cuda") as m:
+        alone = [_run(m, monkeypatch, AHEAD, [("prefill", p), ("loop", 12)], "sampled", max_context=32)
                  for p in ([1, 2, 3], [40, 50])]
         samplers = [qc.Sampler(m.config.n_vocab, **SAMPLERS["sampled"]) for _ in range(2)]
-        with m.session(max_context=32) as a, m.session(max_context=32) as b:
+        with session_with_env(m, monkeypatch, AHEAD, max_context=32) as a, \
+                session_with_env(m, monkeypatch, AHEAD, max_context=32) as b:
             toks = [[a.prefill([1, 2, 3], logits=None, sampler=samplers[0]).token],
                     [b.prefill([40, 50], logits=None, sampler=samplers[1]).token]]
             ahead = []
@@ -219,9 +199,9 @@ def test_two_sessions_in_lockstep(synth, monkeypatch):
     assert sum(ahead) >= 18
 
 
-def test_cpu_never_runs_ahead(synth):
+def test_cpu_never_runs_ahead():
     """The CPU has no recorded steps: a generation loop runs each step when asked."""
-    with qc.Model(synth("tiny", "q8_0"), device="cpu") as m, m.session(max_context=16) as s:
+    with qc.Model(model_file("tiny", "q8_0"), device="cpu") as m, m.session(max_context=16) as s:
         samp = qc.Sampler(m.config.n_vocab)
         tok = s.prefill([1, 2, 3], logits=None, sampler=samp).token
         for _ in range(5):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import qwencuda as qc
+from engine_util import session_with_env
 from qwencuda import testing
 
 pytestmark = pytest.mark.gpu
@@ -50,13 +51,7 @@ def synth(tmp_path_factory):
 
 def _session(m, monkeypatch, ops, **kw):
     """A session whose recorded decode step is the persistent kernel, or (ops) op by op."""
-    if ops:
-        monkeypatch.delenv("QWENCUDA_DECODE", raising=False)
-    else:
-        monkeypatch.setenv("QWENCUDA_DECODE", "persistent")
-    s = m.session(**kw)
-    monkeypatch.delenv("QWENCUDA_DECODE", raising=False)
-    return s
+    return session_with_env(m, monkeypatch, {"QWENCUDA_DECODE": None if ops else "persistent"}, **kw)
 
 
 def _steps(path, monkeypatch, ids, n_prompt, kv_type, max_context=96):

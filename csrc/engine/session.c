@@ -111,12 +111,10 @@ typedef struct {
     int valid;                /* the expectation below holds the next eval of a pipelined loop */
     int pos;                  /* its position: the last step's plus one */
     int32_t token;            /* its id: the last step's draw */
-    int bucket, kind;         /* its recording (decode_rec[bucket][kind]) */
     void *state;              /* (state_bytes) its sampler state: the last one, the draw's RNG */
     size_t state_bytes, state_cap;
     int queued;               /* the step is queued; its draw comes with ticket */
     int ticket;
-    const char *path;         /* its last_path */
 } qc_ahead;
 
 /* Captured attention rows of one block: their q, positions, exact outputs, and the scores and
@@ -1363,15 +1361,16 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
     return 1;
 }
 
-/* Whether this eval is the one the last pipelined eval expected (qc_ahead). */
+/* Whether this pipelined eval is the one the last pipelined eval expected (qc_ahead); both
+ * replay the recording of kind 1, and the position fixes the bucket of their keys. */
 static int ahead_met(const qc_session *s, const eval_plan *p, const qc_eval_request *req, size_t sample_bytes) {
     const qc_ahead *a = &s->ahead;
-    return a->valid && p->start == a->pos && req->ids[0] == a->token && qc_kv_bucket(p->n_kv) == a->bucket &&
-           rec_kind(p) == a->kind && sample_bytes == a->state_bytes && memcmp(req->sample, a->state, sample_bytes) == 0;
+    return a->valid && p->start == a->pos && req->ids[0] == a->token && sample_bytes == a->state_bytes &&
+           memcmp(req->sample, a->state, sample_bytes) == 0;
 }
 
 /* What the eval after this pipelined one is expected to be: the drawn token at the next
- * position, the same recording kind, and this sampler state with the draw's RNG. Nothing is
+ * position, and this sampler state with the draw's RNG. Nothing is
  * expected where there is no room in the context, or no memory for the state. */
 static void ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_request *req, size_t sample_bytes,
                          const qc_sample_result *drawn) {
@@ -1389,8 +1388,6 @@ static void ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_reques
     a->state_bytes = sample_bytes;
     a->pos = p->start + 1;
     a->token = drawn->token;
-    a->bucket = qc_kv_bucket(p->n_kv + 1);
-    a->kind = rec_kind(p);
     a->valid = 1;
 }
 
@@ -1401,14 +1398,12 @@ static void ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_reques
 static int ahead_queue(qc_session *s, const eval_plan *p) {
     qc_backend *be = s->be;
     qc_ahead *a = &s->ahead;
-    const int bucket = qc_kv_bucket(p->n_kv + 1), kind = rec_kind(p);
-    void *rec = s->decode_rec[bucket][kind];
+    void *rec = s->decode_rec[qc_kv_bucket(p->n_kv + 1)][rec_kind(p)];
     if (p->start + 1 >= s->max_ctx || rec == NULL) return 0;
     if (be->ops->replay(be, rec) < 0 ||
         be->ops->download_start(be, s->sample_result, sizeof(qc_sample_result), &a->ticket) < 0)
         return -1;
     a->queued = 1;
-    a->path = s->persistent_decode && s->dec_takes[bucket] == 1 ? "persistent" : "graph";
     return 0;
 }
 
@@ -1459,9 +1454,9 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     }
     s->last_path = "ops";
     int ticket = -1;   /* the draw's copy, when pipelined */
-    if (queued) {
+    if (queued) {   /* the recording of this bucket, replayed by the eval before */
         ticket = s->ahead.ticket;
-        s->last_path = s->ahead.path;
+        s->last_path = p->one_launch ? "persistent" : "graph";
     } else if (replayable) {
         if (upload_chunk(s, p, 0, 1, err) < 0) return -1;
         const int replayed = decode_replayed(s, p, err);
