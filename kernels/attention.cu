@@ -15,8 +15,16 @@
  * scores/probs (when not NULL, for capture): [n_head][n][n_kv]; each group writes the scaled
  * score of its keys, -inf past pos[t]; after the merge the block rereads its own scores (made
  * visible by __syncthreads) and writes exp(s - M) / L, 0 where masked.
+ *
+ * Short evals without scores (a decode step) split each head's keys over QC_ATT_SPLITS blocks
+ * instead (qc_attention.cuh): the split kernel merges the splits through global memory, the
+ * cluster kernel (sm_90) through the shared memory of one thread-block cluster. Both give the
+ * same bits, as does the persistent decode kernel's attention.
  */
 #include "qc_attention.cuh"
+
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
 
 /* Threads per block: decode and short evals (n <= QC_GEMV_MAX_TOKENS) have only n_head * n
  * blocks, so each gets many key groups; long prefills have blocks enough. The choice depends on
@@ -98,12 +106,82 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
     /* before the wait (qc_grid_start's rule): the position, and L2 asked for this block's keys */
     const int last = pos[t];
     qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, blockIdx.x, blockIdx.y, QC_ATT_SPLITS, n_head, n_head_kv,
-                                head_dim);
+                                head_dim, (int)threadIdx.x);
     qc_grid_start();
     /* (the grid's y is QC_ATT_SPLITS: a constant, the merge's loops over the splits unroll) */
     qc_att_split_block<G, KV, true>(q, k_cache, v_cache, last, blockIdx.x, blockIdx.y, QC_ATT_SPLITS, t, n_head,
                                     n_head_kv, head_dim, scale, part, done, out, out_qs, out_ds, smem, weight,
                                     &last_block);
+}
+
+/* The same splits, merged without a round trip through global memory (sm_90 thread-block
+ * clusters): the QC_ATT_SPLITS splits of a (head, token) are the QC_ATT_CLUSTER blocks of one
+ * cluster, QC_ATT_CLUSTER_SPLITS splits a block (QC_ATT_SPLIT_THREADS threads each, computing
+ * exactly what the split kernel's blocks do). Each leaves its partial in its shared memory; after
+ * a cluster barrier block 0 reads them all there (distributed shared memory) and merges them
+ * with qc_att_merge_splits; a second barrier keeps the others' shared memory alive until then.
+ * Why: the split kernel's merge is a chain of L2 round trips (the partial's write and fence,
+ * the counter's atomic, the partials' reads) after the keys; a decode step runs it once a
+ * layer. Same bits as the split kernel (the persistent decode kernel's). */
+#define QC_ATT_CLUSTER_SPLITS 4
+#define QC_ATT_CLUSTER (QC_ATT_SPLITS / QC_ATT_CLUSTER_SPLITS)   /* 8: the portable most */
+static_assert(QC_ATT_SPLITS % QC_ATT_CLUSTER_SPLITS == 0 && QC_ATT_CLUSTER <= 8, "a portable cluster");
+
+/* Floats of the cluster kernel's dynamic shared memory: per split, its groups' publish area
+ * (qc_att_split_partial's pub), then the splits' partials. */
+static inline size_t qc_att_cluster_floats(int G, int head_dim) {
+    return (size_t)QC_ATT_CLUSTER_SPLITS * ((size_t)(QC_ATT_SPLIT_THREADS / G) * (2 + head_dim) + head_dim + 2);
+}
+
+template <int G, typename KV, int HD>
+__global__ void __launch_bounds__(QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS)
+qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
+                            const KV *__restrict__ v_cache, const int32_t *__restrict__ pos, int n_head,
+                            int n_head_kv, float scale, float *__restrict__ out, int8_t *__restrict__ out_qs,
+                            float2 *__restrict__ out_ds) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ float smem[];
+    __shared__ float weight[32];
+    constexpr int pub_floats = (QC_ATT_SPLIT_THREADS / G) * (2 + HD);
+    const int h = blockIdx.x, t = blockIdx.z;
+    const int sub = threadIdx.x / QC_ATT_SPLIT_THREADS, tid = threadIdx.x % QC_ATT_SPLIT_THREADS;
+    const int split = blockIdx.y * QC_ATT_CLUSTER_SPLITS + sub;
+    float *parts = smem + QC_ATT_CLUSTER_SPLITS * pub_floats;   /* this block's partials, split by split */
+    const int last = pos[t];
+    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, h, split, QC_ATT_SPLITS, n_head, n_head_kv, HD, tid);
+    qc_grid_start();
+    qc_att_split_partial<G, KV, true>(q, k_cache, v_cache, last, h, split, QC_ATT_SPLITS, t, n_head, n_head_kv, HD,
+                                      scale, parts + sub * (HD + 2), smem + sub * pub_floats, tid);
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();   /* every partial written, and visible to the cluster */
+    if (cluster.block_rank() == 0) {
+        const int64_t pair = (int64_t)t * n_head + h;
+        qc_att_merge_splits(
+            [&](int s, int i) {
+                return cluster.map_shared_rank(parts, s / QC_ATT_CLUSTER_SPLITS)[(s % QC_ATT_CLUSTER_SPLITS) * (HD + 2) + i];
+            },
+            QC_ATT_SPLITS, HD, out + pair * HD, weight, out_qs ? out_qs + pair * HD : nullptr,
+            out_ds ? out_ds + pair * HD / 32 : nullptr);
+    }
+    cluster.sync();   /* block 0 has read every block's partials */
+#endif
+}
+
+/* Whether the cluster kernel takes this head_dim (the two of Qwen2, with their G). */
+static inline int cluster_takes(int G, int head_dim) { return (G == 16 && head_dim == 64) || (G == 32 && head_dim == 128); }
+
+template <typename KV>
+static void launch_cluster(int G, int head_dim, dim3 grid, const qc_cuda *cu, const float *q, const KV *k_cache,
+                           const KV *v_cache, const int32_t *pos, int n_head, int n_head_kv, float scale, float *out,
+                           int8_t *out_qs, float2 *out_ds) {
+    /* the grid's y: QC_ATT_CLUSTER blocks of QC_ATT_CLUSTER_SPLITS splits */
+    const dim3 block(QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS), cluster(1, QC_ATT_CLUSTER, 1);
+    grid.y = QC_ATT_CLUSTER;
+    const size_t smem = qc_att_cluster_floats(G, head_dim) * sizeof(float);
+#define QC_CLUSTER_ARGS_ q, k_cache, v_cache, pos, n_head, n_head_kv, scale, out, out_qs, out_ds
+    if (head_dim == 64) qc_launch_ex(cu, qc_attention_cluster_kernel<16, KV, 64>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
+    else qc_launch_ex(cu, qc_attention_cluster_kernel<32, KV, 128>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
+#undef QC_CLUSTER_ARGS_
 }
 
 /* The split-K kernel of a short eval, for a cache of KV. */
@@ -191,13 +269,20 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         const int with_q8 = n == 1 && cu->gemv_q8 && head_dim % 32 == 0 && q_dim <= QC_Q8X_MAX_COLS;
         int8_t *out_qs = with_q8 ? (int8_t *)cu->q8x : nullptr;
         float2 *out_ds = with_q8 ? qc_q8x_ds_at(cu->q8x, 1, q_dim) : nullptr;
-        if (cache.type == QC_KV_F16)
+        if (cu->clusters && cluster_takes(G, head_dim)) {
+            if (cache.type == QC_KV_F16)
+                launch_cluster<__half>(G, head_dim, grid, cu, q, (const __half *)cache.k, (const __half *)cache.v, pos,
+                                       n_head, n_head_kv, scale, out, out_qs, out_ds);
+            else
+                launch_cluster<float>(G, head_dim, grid, cu, q, (const float *)cache.k, (const float *)cache.v, pos,
+                                      n_head, n_head_kv, scale, out, out_qs, out_ds);
+        } else if (cache.type == QC_KV_F16)
             launch_split<__half>(G, grid, smem, cu, q, (const __half *)cache.k, (const __half *)cache.v, pos, n_head,
                                  n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out, out_qs, out_ds);
         else
             launch_split<float>(G, grid, smem, cu, q, (const float *)cache.k, (const float *)cache.v, pos, n_head,
                                 n_head_kv, head_dim, scale, cu->attn_part, cu->attn_done, out, out_qs, out_ds);
-        if (QC_LAUNCHED(be, "qc_attention_split_kernel") < 0) return -1;
+        if (QC_LAUNCHED(be, "qc_attention_split_kernel or qc_attention_cluster_kernel") < 0) return -1;
         if (with_q8) {
             cu->q8x_of = out;
             cu->q8x_cols = q_dim;

@@ -57,21 +57,24 @@ static int use_device(qc_backend *be) {
 /* Compiled as every op kernel is (one nvcc line for all .cu files): its PTX version is theirs. */
 __global__ void qc_pdl_probe_kernel() {}
 
-/* Whether the op kernels can be programmatic dependent launches (qc_cuda.cuh): the device is
- * sm_90 or newer, the code it runs was compiled for sm_90 or newer (a build for older GPUs has
- * no griddepcontrol instructions in its kernels, and running it JIT-compiled on an H100 must
- * not let a kernel start before its inputs are written), and QWENCUDA_PDL is not "0". */
-static int pdl_usable(qc_backend *be, int *pdl) {
-    *pdl = 0;
-    const char *env = getenv("QWENCUDA_PDL");
-    if (env && strcmp(env, "0") == 0) return 0;
+/* Whether the device is sm_90 or newer and the code it runs was compiled for sm_90 or newer: a
+ * build for older GPUs has no griddepcontrol or cluster instructions in its kernels (running it
+ * JIT-compiled on an H100 must not let a kernel start before its inputs are written). */
+static int sm90_code(qc_backend *be, int *yes) {
+    *yes = 0;
     int major = 0;
     cudaFuncAttributes fa;
     if (QC_CUDA(be, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, be->device)) < 0 ||
         QC_CUDA(be, cudaFuncGetAttributes(&fa, qc_pdl_probe_kernel)) < 0)
         return -1;
-    *pdl = major >= 9 && fa.ptxVersion >= 90;
+    *yes = major >= 9 && fa.ptxVersion >= 90;
     return 0;
+}
+
+/* An environment switch read at creation: on unless it is "0". */
+static int env_on(const char *name) {
+    const char *env = getenv(name);
+    return !(env && strcmp(env, "0") == 0);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -401,10 +404,16 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     {
         const char *decode = getenv("QWENCUDA_DECODE_ATTENTION");
         cu->flash_decode = !(decode && strcmp(decode, "split") == 0);
-        if (pdl_usable(be, &cu->pdl) < 0) {
+        int sm90 = 0;
+        if (sm90_code(be, &sm90) < 0) {
             qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);
             goto fail;
         }
+        /* the op kernels as programmatic dependent launches (qc_cuda.cuh), and attention's
+         * thread-block clusters (attention.cu): QWENCUDA_PDL=0 and
+         * QWENCUDA_CLUSTERS=0 turn them off */
+        cu->pdl = sm90 && env_on("QWENCUDA_PDL");
+        cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

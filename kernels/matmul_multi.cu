@@ -16,9 +16,16 @@
  * qc_cuda_quantize_q8), as matmul does; the others the float ones.
  *
  * Prefill (n > QC_GEMV_MAX_TOKENS): the matmul op, once per weight (cuBLAS).
+ *
+ * matmul_qkv_rope: q, k and v as above, then rope_kv_store (rope.cu). A decode step (one token)
+ * does both in one launch (qc_gemv_qkv_rope_kernel): each block of q and k holds two whole RoPE
+ * pairs, so it rotates its rows itself and writes k and v into the caches; a kernel boundary
+ * and a pass through L2 fewer a layer. The dot products are this file's, the rotation
+ * rope.cu's (qc_rope_angle, qc_rope_apply): the same bits as the two ops.
  */
 #include "qc_gemv.cuh"
 #include "qc_gemv_q8.cuh"
+#include "qc_rope.cuh"
 
 /* One weight of a launch, by value in the kernel's parameters. */
 struct qc_gemv_part {
@@ -69,6 +76,81 @@ qc_gemv_multi_kernel(const qc_gemv_parts parts, int64_t cols, const float *__res
         if (t0 + j < n) p.out[(int64_t)(t0 + j) * p.rows + r] = p.bias ? acc[j] + p.bias[r] : acc[j];
 }
 
+/* RoPE and the cache write of a one-token q, k, v launch (qc_gemv_qkv_rope_kernel). */
+struct qc_gemv_rope {
+    const int32_t *pos;          /* the token's position (device memory) */
+    void *k_cache, *v_cache;     /* rows of kv_dim values of the cache's type */
+    int64_t kv_dim;
+    int head_dim;                /* a multiple of 4: a block holds two pairs */
+    double theta;
+};
+
+/* Parts q, k, v of one token, then RoPE of q and k and the cache write of the rotated k and of
+ * v (rope_kv_store's values). Block j of q or k holds pairs i and i + 1 of head h
+ * (i = 2 (j mod head_dim / 4), h = j div (head_dim / 4)): warps 0 and 1 compute rows i and i + 1,
+ * warps 2 and 3 their partners i + head_dim / 2 and i + 1 + head_dim / 2, and warps 0 and 1
+ * rotate the pairs. The v part's blocks are matmul_multi's. */
+template <bool ANY_Q8, typename KV>
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
+qc_gemv_qkv_rope_kernel(const qc_gemv_parts parts, int64_t cols, const float *__restrict__ x, const qc_q8x xq,
+                        const float *__restrict__ norm_w, float eps, const qc_gemv_rope rope) {
+    static_assert(QC_GEMV_WARPS == 4, "two pairs a block");
+    __shared__ float xs[QC_NORM_FUSE_MAX_COLS];
+    __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    __shared__ float row_out[QC_GEMV_WARPS];
+    int which = 0;   /* 0 q, 1 k, 2 v (an unrolled loop, as in qc_gemv_multi_kernel) */
+    qc_gemv_part p = parts.part[0];
+#pragma unroll
+    for (int i = 1; i < 3; i++)
+        if (blockIdx.x >= parts.part[i].first_block) {
+            p = parts.part[i];
+            which = i;
+        }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t j = blockIdx.x - p.first_block;
+    const int half = rope.head_dim / 2;
+    const int64_t head = j / (half / 2);
+    const int i = 2 * (int)(j % (half / 2)) + (warp & 1);   /* this warp's pair in its head */
+    const int64_t base = head * rope.head_dim + (i & ~1);   /* the block's first row */
+    const int64_t r = which < 2 ? base + (warp & 1) + (warp >> 1) * half : j * QC_GEMV_WARPS + warp;
+    /* before the wait: the weights into L2, and the angle (it needs only the position, which the
+     * host uploads or the step before feeds: qc_grid_start's rule) */
+    if (which < 2) {
+        qc_gemv_prefetch(p.W, p.row_bytes, base, 2, p.rows);
+        qc_gemv_prefetch(p.W, p.row_bytes, base + half, 2, p.rows);
+    } else {
+        qc_gemv_prefetch(p.W, p.row_bytes, j * QC_GEMV_WARPS, QC_GEMV_WARPS, p.rows);
+    }
+    const int32_t pos = rope.pos[0];
+    const double2 cs = which < 2 && warp < 2 && lane == 0 ? qc_rope_angle(i, rope.head_dim, pos, rope.theta)
+                                                          : make_double2(1.0, 0.0);
+    qc_grid_start();
+    if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+    if (r >= p.rows) return;   /* only past v's last row (whole warps): q and k blocks are whole */
+    float acc[1];
+    qc_gemv_row_either<1>(ANY_Q8 && p.q8, p.type, p.W + r * p.row_bytes, cols, xq, norm_w ? xs : NULL, x, 1, 0,
+                          lane, acc);
+    const float y = p.bias ? acc[0] + p.bias[r] : acc[0];
+    if (which == 2) {
+        if (lane == 0) {
+            p.out[r] = y;
+            qc_kv_put((KV *)rope.v_cache + (int64_t)pos * rope.kv_dim + r, y);
+        }
+        return;
+    }
+    if (lane == 0) row_out[warp] = y;
+    __syncthreads();
+    if (warp >= 2 || lane != 0) return;
+    const float2 rot = qc_rope_apply(row_out[warp], row_out[warp + 2], cs);
+    p.out[r] = rot.x;
+    p.out[r + half] = rot.y;
+    if (which == 1) {
+        KV *k_row = (KV *)rope.k_cache + (int64_t)pos * rope.kv_dim;
+        qc_kv_put(k_row + r, rot.x);
+        qc_kv_put(k_row + r + half, rot.y);
+    }
+}
+
 /* ANY_Q8: a launch with no 8-bit part (F16 weights, say) runs a kernel without the 8-bit
  * GEMV's code: 64 registers a thread instead of 78, so 8 blocks per SM instead of 6 and the 1152
  * blocks of the 7B q/k/v GEMV in about one wave (on the H100 that GEMV went from 19 to 15 us a
@@ -87,8 +169,9 @@ static void launch_multi(const qc_gemv_parts &launch, dim3 grid, int64_t cols, c
 #undef QC_ARGS_
 }
 
-int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
-                         int n, const float *norm_w, float eps) {
+/* matmul_multi, and with rope (one token) the q, k, v launch that rotates and stores too. */
+static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x, int n,
+                 const float *norm_w, float eps, const qc_gemv_rope *rope, int kv_type) {
     qc_cuda *cu = qc_cuda_of(be);
     if (n_parts < 1 || n_parts > QC_MATMUL_MULTI_MAX)
         return qc_cuda_value_error(be, "matmul_multi: %d weights (1..%d)", n_parts, QC_MATMUL_MULTI_MAX);
@@ -142,7 +225,40 @@ int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_part
             return -1;
         if (all_q8) norm_w = NULL;
     }
+    if (rope) {
+        const dim3 block(32 * QC_GEMV_WARPS);
+#define QC_ROPE_LAUNCH_(Q8, KV) qc_launch(cu, qc_gemv_qkv_rope_kernel<Q8, KV>, grid, block, 0, launch, cols, x, xq, norm_w, eps, *rope)
+        if (kv_type == QC_KV_F16) {
+            if (launch.any_q8) QC_ROPE_LAUNCH_(true, __half);
+            else QC_ROPE_LAUNCH_(false, __half);
+        } else {
+            if (launch.any_q8) QC_ROPE_LAUNCH_(true, float);
+            else QC_ROPE_LAUNCH_(false, float);
+        }
+#undef QC_ROPE_LAUNCH_
+        return QC_LAUNCHED(be, "qc_gemv_qkv_rope_kernel");
+    }
     if (launch.any_q8) launch_multi<true>(launch, grid, cols, x, xq, n, norm_w, eps, cu);
     else launch_multi<false>(launch, grid, cols, x, xq, n, norm_w, eps, cu);
     return QC_LAUNCHED(be, "qc_gemv_multi_kernel");
+}
+
+int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
+                         int n, const float *norm_w, float eps) {
+    return multi(be, parts, n_parts, x, n, norm_w, eps, NULL, 0);
+}
+
+int qc_cuda_matmul_qkv_rope(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,
+                            float eps, const int32_t *pos, int n_head, int n_head_kv, int head_dim, float theta,
+                            qc_kv_cache cache) {
+    /* one launch for one token whose q, k and v rows are whole heads of pairs of pairs */
+    const int64_t q_dim = (int64_t)n_head * head_dim, kv_dim = (int64_t)n_head_kv * head_dim;
+    if (n == 1 && head_dim > 0 && head_dim % 4 == 0 && n_head > 0 && n_head_kv > 0 && qkv[0].w->rows == q_dim &&
+        qkv[1].w->rows == kv_dim && qkv[2].w->rows == kv_dim && (cache.type == QC_KV_F16 || cache.type == QC_KV_F32)) {
+        const qc_gemv_rope rope = {pos, cache.k, cache.v, kv_dim, head_dim, (double)theta};
+        return multi(be, qkv, 3, x, n, norm_w, eps, &rope, cache.type);
+    }
+    if (qc_cuda_matmul_multi(be, qkv, 3, x, n, norm_w, eps) < 0) return -1;
+    return qc_cuda_rope_kv_store(be, qkv[0].out, qkv[1].out, qkv[2].out, pos, n, n_head, n_head_kv, head_dim, theta,
+                                 cache);
 }

@@ -171,17 +171,21 @@ static inline int qc_att_split_fits(int n, int n_head, int head_dim) {
 }
 
 /* out = sum over splits of acc e^(m - M) / sum of l e^(m - M) (split 0 always holds key 0), and
- * its 8-bit blocks (qc_gemv_q8.cuh) into o_qs, o_ds when o_qs is not NULL. One warp turns the
- * splits' (m, l) into weights e^(m - M) / L (lane s, split s), then every thread sums its dimensions over the splits with those weights. The partials were written by other
- * blocks: they are read through L2 (__ldcg), never from a stale L1 line. */
-__device__ __forceinline__ void qc_att_merge_splits(const float *p, int splits, int head_dim, float *o,
+ * its 8-bit blocks (qc_gemv_q8.cuh) into o_qs, o_ds when o_qs is not NULL. part(s, i) is value i
+ * of split s's partial (m, l, acc[head_dim]): in global memory, written by other blocks and read
+ * through L2 (__ldcg, never a stale L1 line), or in the shared memory of a cluster's blocks. One
+ * warp turns the splits' (m, l) into weights e^(m - M) / L (lane s, split s), then every thread
+ * sums its dimensions over the splits with those weights: the same operations wherever the
+ * partials are, so both split kernels give the same bits. */
+template <class Part>
+__device__ __forceinline__ void qc_att_merge_splits(Part part, int splits, int head_dim, float *o,
                                                     float *weight, int8_t *o_qs, float2 *o_ds) {
     if (threadIdx.x < 32) {
         const int s = threadIdx.x;
         /* both loads unconditional (split 0 again past `splits`, unused), so that neither is
          * waited for where a branch joins before the other goes out */
-        const float *ps = p + (s < splits ? s : 0) * (head_dim + 2);
-        const float m_s = __ldcg(ps), l_s = __ldcg(ps + 1);
+        const int sl = s < splits ? s : 0;
+        const float m_s = part(sl, 0), l_s = part(sl, 1);
         const float ms = s < splits ? m_s : -INFINITY;
         const float ls = s < splits ? l_s : 0.0f;
         float M = ms;
@@ -198,7 +202,7 @@ __device__ __forceinline__ void qc_att_merge_splits(const float *p, int splits, 
         const int d = d0 + threadIdx.x;
         float v = 0.0f;
         if (d < head_dim) {
-            for (int s = 0; s < splits; s++) v = fmaf(__ldcg(p + s * (head_dim + 2) + 2 + d), weight[s], v);
+            for (int s = 0; s < splits; s++) v = fmaf(part(s, 2 + d), weight[s], v);
             o[d] = v;
         }
         /* whole warps (32 divides head_dim): each quantizes its block of 32 from registers */
@@ -207,28 +211,29 @@ __device__ __forceinline__ void qc_att_merge_splits(const float *p, int splits, 
     }
 }
 
-/* The share of this thread's group in block `split` of a split-K decode attention over head h:
- * its KV head, and its keys first, first + stride, ... (qc_att_split_block reads them,
- * qc_att_prefetch_keys asks L2 for them). */
+/* The share of thread tid's group (tid < QC_ATT_SPLIT_THREADS, the threads of one split) in split
+ * `split` of a split-K decode attention over head h: its KV head, and its keys first,
+ * first + stride, ... (qc_att_split_partial reads them, qc_att_prefetch_keys asks L2 for them). */
 struct qc_att_share {
     int kvh, first, stride;
 };
 template <int G>
-__device__ __forceinline__ qc_att_share qc_att_share_of(int h, int split, int splits, int n_head, int n_head_kv) {
-    const int groups = blockDim.x / G;
-    return {h / (n_head / n_head_kv), split * groups + (int)threadIdx.x / G, splits * groups};
+__device__ __forceinline__ qc_att_share qc_att_share_of(int h, int split, int splits, int n_head, int n_head_kv,
+                                                        int tid) {
+    const int groups = QC_ATT_SPLIT_THREADS / G;
+    return {h / (n_head / n_head_kv), split * groups + tid / G, splits * groups};
 }
 
-/* Ask L2 for the K and V rows of the keys up to last_key that qc_att_split_block's thread group
+/* Ask L2 for the K and V rows of the keys up to last_key that qc_att_split_partial's thread group
  * will read (the same arguments), before qc_grid_start. A hint only: L2 is where every write
  * lands, so a row the kernel before writes (the new key) is still read as written. */
 template <int G, typename KV>
 __device__ __forceinline__ void qc_att_prefetch_keys(const KV *k_cache, const KV *v_cache, int last_key, int h,
                                                      int split, int splits, int n_head, int n_head_kv,
-                                                     int head_dim) {
-    const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv);
+                                                     int head_dim, int tid) {
+    const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv, tid);
     const int64_t kv_dim = (int64_t)n_head_kv * head_dim;
-    const int row_bytes = head_dim * (int)sizeof(KV), lane = threadIdx.x % G;
+    const int row_bytes = head_dim * (int)sizeof(KV), lane = tid % G;
     for (int j = sh.first; j <= last_key; j += sh.stride)
         for (int b = 128 * lane; b < row_bytes; b += 128 * G) {
             qc_prefetch_line_l2((const char *)(k_cache + j * kv_dim + (int64_t)sh.kvh * head_dim) + b);
@@ -236,24 +241,20 @@ __device__ __forceinline__ void qc_att_prefetch_keys(const KV *k_cache, const KV
         }
 }
 
-/* Block `split` of (head h, token t) of a split-K decode attention, by a block of
- * QC_ATT_SPLIT_THREADS threads: its groups' keys split * groups + group, then every
- * splits * groups keys up to last_key, merged into one partial (m, l, acc[head_dim]) in part.
- * The block that counts last for the pair (done[pair], back to 0 after it) merges the splits'
- * partials into out (and its 8-bit blocks into out_qs, out_ds when out_qs is not NULL). smem:
- * groups * (2 + head_dim) floats; weight: 32 floats; last_block: one int, all in shared memory.
- * attention.cu's split kernel is one call of it (AHEAD: qc_att_keys); the persistent decode
- * kernel (decode_step.cu) calls it for each (head, split) its block takes. */
-template <int G, typename KV, bool AHEAD = false>
-__device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_cache, const KV *v_cache,
-                                                   int last_key, int h, int split, int splits, int t,
-                                                   int n_head, int n_head_kv, int head_dim, float scale,
-                                                   float *part, unsigned int *done, float *out,
-                                                   int8_t *out_qs, float2 *out_ds, float *smem,
-                                                   float *weight, int *last_block) {
-    const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv);
+/* Split `split` of (head h, token t) of a split-K decode attention, by QC_ATT_SPLIT_THREADS
+ * threads of the block (tid their index among them): its groups' keys split * groups + group,
+ * then every splits * groups keys up to last_key, merged into one unnormalised partial
+ * (m, l, acc[head_dim]) in mine (global or shared memory). pub: groups * (2 + head_dim) floats
+ * of shared memory for this split's groups. Every thread of the block calls it (it synchronises
+ * the block). AHEAD: qc_att_keys. */
+template <int G, typename KV, bool AHEAD>
+__device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k_cache, const KV *v_cache,
+                                                     int last_key, int h, int split, int splits, int t,
+                                                     int n_head, int n_head_kv, int head_dim, float scale,
+                                                     float *mine, float *pub, int tid) {
+    const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv, tid);
     const int kv_dim = n_head_kv * head_dim;
-    const int lane = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
+    const int lane = tid % G, group = tid / G, groups = QC_ATT_SPLIT_THREADS / G;
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
 
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
@@ -263,15 +264,33 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
                        kv_dim, head_dim, scale, sh.first, sh.stride, last_key, gmask, lane, nullptr, 0, m, l, acc);
 
     /* a split with no keys (short contexts) leaves m = -inf, l = 0: the merge skips it */
-    const float M = qc_att_publish<G>(smem, group, groups, lane, head_dim, m, l, acc);
+    const float M = qc_att_publish<G>(pub, group, groups, lane, head_dim, m, l, acc);
+    if (tid == 0) {
+        mine[0] = M;
+        mine[1] = qc_att_merged(pub, groups, head_dim, M, -1);
+    }
+    for (int d = tid; d < head_dim; d += QC_ATT_SPLIT_THREADS) mine[2 + d] = qc_att_merged(pub, groups, head_dim, M, d);
+}
+
+/* Block `split` of (head h, token t) of a split-K decode attention, a block of
+ * QC_ATT_SPLIT_THREADS threads: its split's partial (qc_att_split_partial) into part. The block
+ * that counts last for the pair (done[pair], back to 0 after it) merges the splits' partials into
+ * out (and its 8-bit blocks into out_qs, out_ds when out_qs is not NULL). smem: groups *
+ * (2 + head_dim) floats; weight: 32 floats; last_block: one int, all in shared memory.
+ * attention.cu's split kernel is one call of it where thread-block clusters are not available
+ * (its cluster kernel merges in shared memory instead); the persistent decode kernel
+ * (decode_step.cu) calls it for each (head, split) its block takes. */
+template <int G, typename KV, bool AHEAD = false>
+__device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_cache, const KV *v_cache,
+                                                   int last_key, int h, int split, int splits, int t,
+                                                   int n_head, int n_head_kv, int head_dim, float scale,
+                                                   float *part, unsigned int *done, float *out,
+                                                   int8_t *out_qs, float2 *out_ds, float *smem,
+                                                   float *weight, int *last_block) {
     const int64_t pair = (int64_t)t * n_head + h;
     float *mine = part + (pair * splits + split) * (head_dim + 2);
-    if (threadIdx.x == 0) {
-        mine[0] = M;
-        mine[1] = qc_att_merged(smem, groups, head_dim, M, -1);
-    }
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
-        mine[2 + d] = qc_att_merged(smem, groups, head_dim, M, d);
+    qc_att_split_partial<G, KV, AHEAD>(q, k_cache, v_cache, last_key, h, split, splits, t, n_head, n_head_kv,
+                                       head_dim, scale, mine, smem, (int)threadIdx.x);
 
     /* publish the partial, then count it; the block that counts last merges them all */
     __threadfence();
@@ -283,8 +302,10 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
     __syncthreads();
     if (!*last_block) return;
     __threadfence();
-    qc_att_merge_splits(part + pair * splits * (head_dim + 2), splits, head_dim, out + pair * head_dim, weight,
-                        out_qs ? out_qs + pair * head_dim : nullptr, out_ds ? out_ds + pair * head_dim / 32 : nullptr);
+    const float *mine0 = part + pair * splits * (head_dim + 2);
+    qc_att_merge_splits([&](int s, int i) { return __ldcg(mine0 + s * (head_dim + 2) + i); }, splits, head_dim,
+                        out + pair * head_dim, weight, out_qs ? out_qs + pair * head_dim : nullptr,
+                        out_ds ? out_ds + pair * head_dim / 32 : nullptr);
 }
 
 #endif /* QC_ATTENTION_CUH */

@@ -68,6 +68,11 @@ typedef struct qc_cuda {
     /* every op kernel is launched as a programmatic dependent launch (qc_launch below): the
      * device and the kernels' code are sm_90 or newer, and QWENCUDA_PDL is not "0" at creation */
     int pdl;
+    /* thread-block clusters (sm_90) join a decode step's blocks through shared memory instead of
+     * global memory: the split-K attention merges its splits so (attention.cu). The device and
+     * the kernels' code are sm_90 or newer, and QWENCUDA_CLUSTERS is not "0" at creation (to
+     * compare) */
+    int clusters;
     /* download_start's copies (backend.h): QC_DOWNLOAD_TICKETS slots of pinned host memory,
      * QC_DOWNLOAD_AHEAD_BYTES each, and the event after each slot's copy; made at the first
      * download_start. The next copy takes slot next_ticket % QC_DOWNLOAD_TICKETS. */
@@ -218,21 +223,40 @@ __device__ __forceinline__ void qc_prefetch_l2(const void *p, int64_t bytes) {
 }
 
 /* kernel<<<grid, block, smem, cu->stream>>>(args...), as a programmatic dependent launch where
- * cu->pdl; a bad configuration surfaces in QC_LAUNCHED, as it does after <<<>>>. */
+ * cu->pdl, in thread-block clusters of `cluster` blocks where that is more than one (sm_90: the
+ * caller checks cu->clusters); a bad configuration surfaces in QC_LAUNCHED, as it does after
+ * <<<>>>. */
 template <typename... Params, typename... Args>
-static inline void qc_launch(const qc_cuda *cu, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                             Args &&...args) {
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
+static inline void qc_launch_ex(const qc_cuda *cu, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                dim3 cluster, Args &&...args) {
+    cudaLaunchAttribute attr[2];
+    unsigned n_attr = 0;
+    if (cu->pdl) {
+        attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
+        n_attr++;
+    }
+    if (cluster.x * cluster.y * cluster.z > 1) {
+        attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+        attr[n_attr].val.clusterDim.x = cluster.x;
+        attr[n_attr].val.clusterDim.y = cluster.y;
+        attr[n_attr].val.clusterDim.z = cluster.z;
+        n_attr++;
+    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = cu->stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = cu->pdl ? 1 : 0;
+    cfg.attrs = attr;
+    cfg.numAttrs = n_attr;
     (void)cudaLaunchKernelEx(&cfg, kernel, static_cast<Args &&>(args)...);
+}
+
+template <typename... Params, typename... Args>
+static inline void qc_launch(const qc_cuda *cu, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             Args &&...args) {
+    qc_launch_ex(cu, kernel, grid, block, smem, dim3(1, 1, 1), static_cast<Args &&>(args)...);
 }
 
 /* Grid size for a grid-stride loop over count items with `threads` per block. */

@@ -25,7 +25,7 @@ Numerics of the CUDA backend (tests/test_kernels.py states the tolerances):
     running sums in double), selecting by radix threshold where the host sorts;
   - everything else is fp32.
 
-The fused ops (matmul_add, matmul_multi, matmul_swiglu, rope_kv_store) compute what their
+The fused ops (matmul_add, matmul_multi, matmul_swiglu, rope_kv_store, matmul_qkv_rope) compute what their
 unfused sequences compute, with the same float operations: bit-identical on the CPU, and on CUDA
 wherever the GEMV runs (n <= GEMV_MAX_TOKENS); matmul_add's cuBLAS path adds the residual inside
 the GEMM (beta = 1), which may round differently from a separate add.
@@ -39,7 +39,7 @@ from . import _core
 __all__ = [
     "Weight", "embed", "dequantize", "rmsnorm", "matmul", "rope", "kv_store", "attention",
     "swiglu", "add", "argmax", "sample", "matmul_add", "matmul_multi", "matmul_swiglu",
-    "rope_kv_store", "release", "cuda_mem_info", "cuda_device_info", "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
+    "rope_kv_store", "matmul_qkv_rope", "release", "cuda_mem_info", "cuda_device_info", "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
 ]
 
 # matmul reads the stored blocks directly (GEMV) up to this many tokens; above, dequant + cuBLAS
@@ -438,6 +438,47 @@ def rope_kv_store(q, k, v, pos, k_cache, v_cache, theta=1e6, device="cpu"):
     if pos.size and (pos.min() < 0 or pos.max() >= k_cache.shape[0]):
         raise ValueError(f"rope_kv_store: positions must be in [0, {k_cache.shape[0]})")
     return _core.kernel_rope_kv_store(_device(device), q, k, v, pos, k_cache, v_cache, float(theta))
+
+
+def matmul_qkv_rope(weights, x, biases, pos, k_cache, v_cache, head_dim, theta=1e6, device="cpu", norm=None,
+                    eps=1e-6):
+    """matmul_multi of x (tokens, cols) by (wq, wk, wv) with their biases (or None), then
+    rope_kv_store of the three outputs at pos, in one op (a decode step's q, k, v, RoPE and cache
+    write: one launch on CUDA for one token). norm, eps: as in matmul_multi. Returns new arrays
+    (q_rope (tokens, n_head, head_dim), k_rope (tokens, n_head_kv, head_dim), v (same), k_cache,
+    v_cache); the inputs are not modified."""
+    ws = [_weight(w) for w in weights]
+    if len(ws) != 3:
+        raise ValueError(f"matmul_qkv_rope: three weights (q, k, v), got {len(ws)}")
+    cols = ws[0].shape[1]
+    hd = int(head_dim)
+    if hd <= 0 or hd % 2:
+        raise ValueError(f"matmul_qkv_rope: head_dim {hd} must be even and positive")
+    if any(w.shape[1] != cols for w in ws) or ws[1].shape != ws[2].shape or ws[0].shape[0] % hd or ws[1].shape[0] % hd:
+        raise ValueError(f"matmul_qkv_rope: weights {[w.shape for w in ws]} must share columns, k and v one shape, "
+                         f"rows whole heads of {hd}")
+    x = _matmul_x(x, cols, "matmul_qkv_rope").reshape(-1, cols)
+    biases = [None] * 3 if biases is None else list(biases)
+    if len(biases) != 3:
+        raise ValueError(f"matmul_qkv_rope: {len(biases)} biases for 3 weights")
+    for i, (w, b) in enumerate(zip(ws, biases)):
+        if b is not None:
+            b = biases[i] = _f32(b, f"biases[{i}]", 1)
+            if b.shape[0] != w.shape[0]:
+                raise ValueError(f"matmul_qkv_rope: bias {i} has {b.shape[0]} values, its weight {w.shape[0]} rows")
+    k_cache = _cache(k_cache, "k_cache")
+    v_cache = _cache(v_cache, "v_cache")
+    kv_dim = ws[1].shape[0]
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] != kv_dim:
+        raise ValueError(f"matmul_qkv_rope: caches {k_cache.shape}, {v_cache.shape} must be (max_ctx, {kv_dim})")
+    n = x.shape[0]
+    pos = _i32(pos, "pos", n)
+    if pos.size and (pos.min() < 0 or pos.max() >= k_cache.shape[0]):
+        raise ValueError(f"matmul_qkv_rope: positions must be in [0, {k_cache.shape[0]})")
+    q, k, v, kc, vc = _core.kernel_matmul_qkv_rope(_device(device), tuple(w._arg() for w in ws), x, tuple(biases), pos,
+                                                   k_cache, v_cache, hd, float(theta),
+                                                   _norm_arg(norm, cols, "matmul_qkv_rope"), float(eps))
+    return q.reshape(n, -1, hd), k.reshape(n, -1, hd), v.reshape(n, -1, hd), kc, vc
 
 
 def time_matmul(weight, x, iters=100, device="cpu"):

@@ -602,6 +602,44 @@ def test_rope_kv_store(device, head_dim, positions, ratio):
     np.testing.assert_array_equal(k_rot, K.rope(k, pos, theta=1e6, device=device))
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16+norm"])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("head_dim", [6, 64, 128])
+@pytest.mark.parametrize("type_name", ["F16", "Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_matmul_qkv_rope(device, type_name, head_dim, n, cache):
+    """matmul_qkv_rope equals matmul_multi, then rope_kv_store, bit for bit: q, k and v of three
+    types (the q4_k_m mix), 7 query heads a KV head, biases, an F32 or an F16 cache (with the
+    attention norm folded in). One token on CUDA is the one-launch kernel whose blocks rotate
+    the pairs they computed; head_dim 6 (pairs not in twos) and 3 tokens take the two ops."""
+    cols, n_head_kv = 256, 2
+    n_head = 7 * n_head_kv
+    types = [type_name, _other_type(type_name, cols, 1), _other_type(type_name, cols, 2)]
+    rows = [n_head * head_dim, n_head_kv * head_dim, n_head_kv * head_dim]
+    ws = [random_weight(t, r, cols, seed=50 + i)[0] for i, (t, r) in enumerate(zip(types, rows))]
+    rng = np.random.default_rng(53)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    biases = [(rng.standard_normal(r) * 10).astype(np.float32) for r in rows]
+    norm = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32) if cache.endswith("norm") else None
+    dtype = np.float16 if cache.startswith("f16") else np.float32
+    pos = np.array([4093, 5, 900][:n], np.int32)
+    kc = rng.standard_normal((4100, n_head_kv * head_dim)).astype(dtype)
+    vc = rng.standard_normal((4100, n_head_kv * head_dim)).astype(dtype)
+    q, k, v, kc2, vc2 = K.matmul_qkv_rope(ws, x, biases, pos, kc, vc, head_dim, theta=1e6, device=device, norm=norm)
+    assert q.shape == (n, n_head, head_dim) and k.shape == v.shape == (n, n_head_kv, head_dim)
+    assert kc2.dtype == vc2.dtype == dtype
+    q0, k0, v0 = K.matmul_multi(ws, x, biases, device=device, norm=norm)
+    q1, k1, kc1, vc1 = K.rope_kv_store(q0.reshape(n, n_head, head_dim), k0.reshape(n, n_head_kv, head_dim),
+                                       v0.reshape(n, n_head_kv, head_dim), pos, kc, vc, theta=1e6, device=device)
+    np.testing.assert_array_equal(q, q1)
+    np.testing.assert_array_equal(k, k1)
+    np.testing.assert_array_equal(v, v0.reshape(v.shape))
+    np.testing.assert_array_equal(kc2, kc1)
+    np.testing.assert_array_equal(vc2, vc1)
+    # and the rotation is RoPE's: q against the reference on the unrotated q
+    check_close(q, rope_ref(q0.reshape(q.shape), pos, 1e6), np.abs(q0).max() + np.zeros(q.shape), 1e-5,
+                "matmul_qkv_rope q")
+
+
 @pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
 def test_kv_stores_of_no_tokens(device, cache_dtype):
     """Zero tokens store nothing: the caches come back as they went (rope_kv_store returned

@@ -458,6 +458,16 @@ int qc_cpu_rope_kv_store(qc_backend *be, float *q, float *k, const float *v, con
     return 0;
 }
 
+/* matmul_multi, then rope_kv_store (the composite of backend.h: nothing to fuse on the CPU) */
+int qc_cpu_matmul_qkv_rope(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,
+                           float eps, const int32_t *pos, int n_head, int n_head_kv, int head_dim, float theta,
+                           qc_kv_cache cache) {
+    /* through the table: the fast ops (cpu_fast.c) replace matmul_multi where this CPU has them */
+    if (be->ops->matmul_multi(be, qkv, 3, x, n, norm_w, eps) < 0) return -1;
+    return be->ops->rope_kv_store(be, qkv[0].out, qkv[1].out, qkv[2].out, pos, n, n_head, n_head_kv, head_dim,
+                                  theta, cache);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* attention: causal GQA over the cache                                                        */
 

@@ -154,13 +154,20 @@ typedef int qc_op_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const q
 typedef int qc_op_rope_kv_store(qc_backend *be, float *q, float *k, const float *v,
                                 const int32_t *pos, int n, int n_head, int n_head_kv,
                                 int head_dim, float theta, qc_kv_cache cache);
+/* matmul_multi of x by q, k and v (qkv[0..2]; norm_w and eps as there), then rope_kv_store of
+ * their outputs: q and k rotated in place, the rotated k and v in the caches at pos[t]. One op,
+ * so that a backend may do it in one pass (CUDA, one token: a block rotates the rows it
+ * computed). */
+typedef int qc_op_matmul_qkv_rope(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n,
+                                  const float *norm_w, float eps, const int32_t *pos, int n_head,
+                                  int n_head_kv, int head_dim, float theta, qc_kv_cache cache);
 
 /* Every op above, in table order. From this one list come the members of qc_backend_ops and
  * each backend's declarations and table (cpu_backend.h/.c, qc_cuda.cuh, cuda_backend.cu): a
  * new op is its function type above, its name here, and its two implementations. */
 #define QC_BACKEND_OPS(X)                                                                       \
     X(embed) X(rmsnorm) X(matmul) X(rope) X(kv_store) X(attention) X(swiglu) X(add) X(argmax) \
-    X(sample) X(matmul_add) X(matmul_multi) X(matmul_swiglu) X(rope_kv_store)
+    X(sample) X(matmul_add) X(matmul_multi) X(matmul_swiglu) X(rope_kv_store) X(matmul_qkv_rope)
 
 /* ---- the decode step in one launch (optional: CUDA's persistent decode kernel) ----
  * What a decode step of one token reads and writes, for decode_step below: the weights and

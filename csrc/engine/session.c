@@ -1129,9 +1129,10 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
      * ops leave in the same buffers as the unfused ones, so its capture is unchanged. */
     const int fuse = !s->no_fusion;
     const int fuse_attn_norm = fuse && !layer_wants(s, l, L_ATTN_NORM);
-    /* (a patched k_rope must reach the cache, which the fused op writes before it is seen) */
+    /* (a patched v or k_rope must reach the cache, which the fused op writes before either is
+     * seen) */
     const int fuse_rope = fuse && !layer_wants(s, l, L_Q) && !layer_wants(s, l, L_K) &&
-                          !layer_patched(s, l, L_K_ROPE);
+                          !layer_patched(s, l, L_V) && !layer_patched(s, l, L_K_ROPE);
     const int fuse_o = fuse && !layer_wants(s, l, L_ATTN_PROJ);
     const int fuse_gate_up = fuse && !layer_wants(s, l, L_GATE) && !layer_wants(s, l, L_UP);
     const int fuse_ffn_norm = fuse_gate_up && !layer_wants(s, l, L_FFN_NORM);
@@ -1143,27 +1144,29 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
         CAPTURE(observe_layer(s, p, l, L_ATTN_NORM, sc->xn, c0, nc, dim, err));
     }
 
-    /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them), in one pass */
-    if (fuse) {
-        const qc_matmul_part qkv[3] = {{&L->wq, L->bq, sc->q}, {&L->wk, L->bk, sc->k}, {&L->wv, L->bv, sc->v}};
-        OP(fuse_attn_norm ? op->matmul_multi(be, qkv, 3, sc->x, nc, L->attn_norm, eps)
-                          : op->matmul_multi(be, qkv, 3, sc->xn, nc, NULL, 0.0f));
-    } else {
-        OP(op->matmul(be, &L->wq, L->bq, sc->xn, nc, sc->q));
-        OP(op->matmul(be, &L->wk, L->bk, sc->xn, nc, sc->k));
-        OP(op->matmul(be, &L->wv, L->bv, sc->xn, nc, sc->v));
-    }
-    CAPTURE(observe_layer(s, p, l, L_Q, sc->q, c0, nc, q_dim, err));
-    CAPTURE(observe_layer(s, p, l, L_K, sc->k, c0, nc, kv_dim, err));
-    CAPTURE(observe_layer(s, p, l, L_V, sc->v, c0, nc, kv_dim, err));
-
-    /* RoPE, NEOX pairs (i, i + head_dim/2), on q and k at their positions; the rotated k and
-     * the v of these tokens go into the cache at their positions */
+    /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them); then RoPE, NEOX pairs
+     * (i, i + head_dim/2), on q and k at their positions, and the rotated k and the v of these
+     * tokens into the cache at their positions. Fused, that is one op (which writes the cache
+     * before any capture is seen) */
+    const qc_matmul_part qkv[3] = {{&L->wq, L->bq, sc->q}, {&L->wk, L->bk, sc->k}, {&L->wv, L->bv, sc->v}};
+    const float *qkv_x = fuse_attn_norm ? sc->x : sc->xn, *qkv_norm = fuse_attn_norm ? L->attn_norm : NULL;
     if (fuse_rope) {
-        OP(op->rope_kv_store(be, sc->q, sc->k, sc->v, sc->pos, nc, n_head, n_head_kv, hd, c->rope_theta, s->kv[l]));
+        OP(op->matmul_qkv_rope(be, qkv, qkv_x, nc, qkv_norm, eps, sc->pos, n_head, n_head_kv, hd, c->rope_theta,
+                               s->kv[l]));
+        CAPTURE(observe_layer(s, p, l, L_V, sc->v, c0, nc, kv_dim, err));
         CAPTURE(observe_layer(s, p, l, L_Q_ROPE, sc->q, c0, nc, q_dim, err));
         CAPTURE(observe_layer(s, p, l, L_K_ROPE, sc->k, c0, nc, kv_dim, err));
     } else {
+        if (fuse) {
+            OP(op->matmul_multi(be, qkv, 3, qkv_x, nc, qkv_norm, eps));
+        } else {
+            OP(op->matmul(be, &L->wq, L->bq, sc->xn, nc, sc->q));
+            OP(op->matmul(be, &L->wk, L->bk, sc->xn, nc, sc->k));
+            OP(op->matmul(be, &L->wv, L->bv, sc->xn, nc, sc->v));
+        }
+        CAPTURE(observe_layer(s, p, l, L_Q, sc->q, c0, nc, q_dim, err));
+        CAPTURE(observe_layer(s, p, l, L_K, sc->k, c0, nc, kv_dim, err));
+        CAPTURE(observe_layer(s, p, l, L_V, sc->v, c0, nc, kv_dim, err));
         OP(op->rope(be, sc->q, sc->pos, nc, n_head, hd, c->rope_theta));
         OP(op->rope(be, sc->k, sc->pos, nc, n_head_kv, hd, c->rope_theta));
         CAPTURE(observe_layer(s, p, l, L_Q_ROPE, sc->q, c0, nc, q_dim, err));

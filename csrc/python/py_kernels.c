@@ -95,7 +95,7 @@ static cached_backend *get_backend(const char *device) {
 /* what a binding holds while it runs (GIL held): the NumPy arrays it converted or made and the
  * buffers of its weights, released together at its one exit */
 
-#define QC_MAX_HELD 12
+#define QC_MAX_HELD 16   /* matmul_qkv_rope: x, positions, 2 caches, 3 biases, 5 outputs, norm */
 
 typedef struct {
     Py_buffer view;             /* the stored bytes, kept while the call runs */
@@ -291,7 +291,7 @@ static job_array arr_inout(PyArrayObject *a, PyArrayObject *out) {
     return (job_array){PyArray_DATA(a), PyArray_DATA(out), nbytes_of(a), NULL};
 }
 
-#define QC_JOB_MAX 10
+#define QC_JOB_MAX 12    /* matmul_qkv_rope: x, positions, 2 caches, 3 biases, 3 outputs, norm */
 
 typedef struct {
     int (*op)(qc_backend *be, void *args);   /* the backend op on the job's <op>_args */
@@ -592,6 +592,107 @@ static PyObject *kernel_matmul_multi(PyObject *self, PyObject *args) {
     }
     if (run_job(c, &j) < 0 || (res = PyTuple_New(a.n_parts)) == NULL) goto done;
     for (int i = 0; i < a.n_parts; i++) PyTuple_SET_ITEM(res, i, new_ref(out[i]));
+done:
+    release_held(&h);
+    return res;
+}
+
+typedef struct {
+    const qc_weight *w[3];
+    job_array x, bias[3], out[3], norm, pos, k_cache, v_cache;   /* bias, norm: dev NULL when none */
+    int n, n_head, n_head_kv, head_dim;
+    float eps, theta;
+    int kv_type;
+} matmul_qkv_rope_args;
+
+static int op_matmul_qkv_rope(qc_backend *be, void *p) {
+    matmul_qkv_rope_args *a = p;
+    if (a->n == 0) return 0;    /* the caches come back as they went */
+    qc_matmul_part parts[3];
+    for (int i = 0; i < 3; i++) parts[i] = (qc_matmul_part){a->w[i], a->bias[i].dev, a->out[i].dev};
+    qc_kv_cache cache = {a->k_cache.dev, a->v_cache.dev, a->kv_type};
+    return be->ops->matmul_qkv_rope(be, parts, a->x.dev, a->n, a->norm.dev, a->eps, a->pos.dev, a->n_head,
+                                    a->n_head_kv, a->head_dim, a->theta, cache);
+}
+
+static PyObject *kernel_matmul_qkv_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *wseq, *xobj, *bseq, *pobj, *kcobj, *vcobj, *nobj = NULL, *res = NULL;
+    held h = {0};
+    matmul_qkv_rope_args a = {0};
+    kernel_job j = {.op = op_matmul_qkv_rope, .args = &a, .arrays = {&a.x, &a.pos, &a.k_cache, &a.v_cache}};
+    int n_arrays = 4, k_type, v_type;
+    cached_backend *c;
+    PyArrayObject *x, *pos, *kc, *vc, *norm, *out[5];
+    if (!PyArg_ParseTuple(args, "sO!OO!OOOif|Of", &device, &PyTuple_Type, &wseq, &xobj, &PyTuple_Type, &bseq, &pobj,
+                          &kcobj, &vcobj, &a.head_dim, &a.theta, &nobj, &a.eps))
+        return NULL;
+    if (PyTuple_GET_SIZE(wseq) != 3 || PyTuple_GET_SIZE(bseq) != 3) {
+        PyErr_SetString(PyExc_ValueError, "matmul_qkv_rope: three weights (q, k, v) and three biases (or None)");
+        return NULL;
+    }
+    for (int i = 0; i < 3; i++)
+        if ((a.w[i] = j.w[i] = hold_weight(&h, PyTuple_GET_ITEM(wseq, i))) == NULL) goto done;
+    const int64_t hd = a.head_dim, kv_dim = a.w[1]->rows;
+    if (hd <= 0 || hd % 2 != 0 || a.w[1]->cols != a.w[0]->cols || a.w[2]->cols != a.w[0]->cols ||
+        a.w[0]->rows % hd != 0 || kv_dim % hd != 0 || a.w[2]->rows != kv_dim || a.w[0]->rows / hd > INT32_MAX ||
+        kv_dim / hd < 1) {
+        PyErr_Format(PyExc_ValueError, "matmul_qkv_rope: q (%lld x %lld), k (%lld x %lld) and v (%lld x %lld) must "
+                     "have one column count, whole heads of head_dim %d (even), and k and v one shape",
+                     (long long)a.w[0]->rows, (long long)a.w[0]->cols, (long long)a.w[1]->rows,
+                     (long long)a.w[1]->cols, (long long)a.w[2]->rows, (long long)a.w[2]->cols, a.head_dim);
+        goto done;
+    }
+    a.n_head = (int)(a.w[0]->rows / hd);
+    a.n_head_kv = (int)(kv_dim / hd);
+    if ((c = get_backend(device)) == NULL ||
+        (x = hold(&h, matmul_x(xobj, a.w[0]->cols, "matmul_qkv_rope"))) == NULL ||
+        (pos = hold(&h, as_array(pobj, NPY_INT32, 1, "matmul_qkv_rope positions"))) == NULL ||
+        (kc = hold(&h, as_cache(kcobj, "matmul_qkv_rope k_cache", &k_type))) == NULL ||
+        (vc = hold(&h, as_cache(vcobj, "matmul_qkv_rope v_cache", &v_type))) == NULL ||
+        caches_agree(k_type, v_type, "matmul_qkv_rope") < 0)
+        goto done;
+    a.n = (int)PyArray_DIM(x, 0);
+    if (PyArray_DIM(pos, 0) != a.n || !PyArray_SAMESHAPE(kc, vc) || PyArray_DIM(kc, 1) != kv_dim) {
+        PyErr_Format(PyExc_ValueError, "matmul_qkv_rope: positions must be (%d,) and the caches (max_ctx, %lld)", a.n,
+                     (long long)kv_dim);
+        goto done;
+    }
+    if (check_positions(pos, PyArray_DIM(kc, 0), "matmul_qkv_rope") < 0) goto done;
+    a.x = arr_in(x);
+    a.pos = arr_in(pos);
+    a.kv_type = k_type;
+    j.empty = PyArray_SIZE(kc) == 0;
+    for (int i = 0; i < 3; i++) {
+        PyObject *b = PyTuple_GET_ITEM(bseq, i);
+        npy_intp shape[2] = {PyArray_DIM(x, 0), (npy_intp)a.w[i]->rows};
+        if (b != Py_None) {
+            PyArrayObject *bias = hold(&h, as_array(b, NPY_FLOAT32, 1, "matmul_qkv_rope bias"));
+            if (bias == NULL) goto done;
+            if (PyArray_DIM(bias, 0) != a.w[i]->rows) {
+                PyErr_Format(PyExc_ValueError, "matmul_qkv_rope: bias %d has %zd values, its weight %lld rows", i,
+                             (Py_ssize_t)PyArray_DIM(bias, 0), (long long)a.w[i]->rows);
+                goto done;
+            }
+            a.bias[i] = arr_in(bias);
+            j.arrays[n_arrays++] = &a.bias[i];
+        }
+        if ((out[i] = hold(&h, new_array(NPY_FLOAT32, 2, shape))) == NULL) goto done;
+        a.out[i] = arr_out(out[i]);
+        j.arrays[n_arrays++] = &a.out[i];
+    }
+    if ((out[3] = hold(&h, new_array(PyArray_TYPE(kc), 2, PyArray_DIMS(kc)))) == NULL ||
+        (out[4] = hold(&h, new_array(PyArray_TYPE(vc), 2, PyArray_DIMS(vc)))) == NULL)
+        goto done;
+    a.k_cache = arr_inout(kc, out[3]);
+    a.v_cache = arr_inout(vc, out[4]);
+    if (norm_arg(&h, nobj, a.w[0]->cols, "matmul_qkv_rope norm", &norm) < 0) goto done;
+    if (norm) {
+        a.norm = arr_in(norm);
+        j.arrays[n_arrays++] = &a.norm;
+    }
+    if (run_job(c, &j) == 0) res = Py_BuildValue("(OOOOO)", out[0], out[1], out[2], out[3], out[4]);
 done:
     release_held(&h);
     return res;
@@ -1264,6 +1365,9 @@ static PyMethodDef kernel_methods[] = {
      "kernel_matmul_multi(device, (weight, ...), x (n, cols), (bias or None, ...)) -> (x @ W_i^T + b_i, ...)"},
     {"kernel_matmul_swiglu", kernel_matmul_swiglu, METH_VARARGS,
      "kernel_matmul_swiglu(device, gate weight, up weight, x (n, cols)) -> silu(x @ Wg^T) * (x @ Wu^T)"},
+    {"kernel_matmul_qkv_rope", kernel_matmul_qkv_rope, METH_VARARGS,
+     "kernel_matmul_qkv_rope(device, (wq, wk, wv), x (n, cols), (bq, bk, bv), pos (n,), k_cache, v_cache, head_dim, "
+     "theta[, norm, eps]) -> (q, k, v, k_cache, v_cache)"},
     {"kernel_rope_kv_store", kernel_rope_kv_store, METH_VARARGS,
      "kernel_rope_kv_store(device, q (n, n_head, hd), k, v (n, n_head_kv, hd), pos (n,), k_cache, v_cache "
      "(max_ctx, n_head_kv*hd), theta) -> (q rotated, k rotated, k_cache, v_cache) updated copies"},
