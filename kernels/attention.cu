@@ -286,6 +286,7 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         if (with_q8) {
             cu->q8x_of = out;
             cu->q8x_cols = q_dim;
+            cu->q8x_of_at = cu->q8x;
         }
         return 0;
     }

@@ -388,6 +388,8 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->sample_done, sizeof(unsigned int)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->sample_done, 0, sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
+    static_assert(QC_GEMV_MAX_TOKENS >= 2, "q8x holds two one-token regions");
+    cu->q8x_act = (char *)cu->q8x + qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
     /* one normalised row for the fused ops of a decode step (QC_NORM_IN_BLOCK_MAX_COLS): made
      * here, so a recorded step never grows it */
     QC_CREATE_CHECK(cudaMalloc(&cu->scratch_norm, QC_Q8X_MAX_COLS * sizeof(float)));

@@ -225,7 +225,8 @@ static int matmul_cublas(qc_backend *be, const qc_weight *w, const float *bias, 
 
 /* matmul (residual NULL) and matmul_add: the GEMV up to QC_GEMV_MAX_TOKENS tokens, else cuBLAS.
  * x_from_last_op: x is the unchanged output of the op just before, whose 8-bit form that op may
- * have left in q8x (cu->q8x_of): then the GEMV reads it there, with no quantize launch. */
+ * have left (cu->q8x_of, laid out at cu->q8x_of_at): then the GEMV reads it there, with no
+ * quantize launch. */
 static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
                       const float *residual, float *out, int x_from_last_op) {
     qc_cuda *cu = qc_cuda_of(be);
@@ -245,7 +246,7 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
     qc_q8x xq = {};
     if (qc_cuda_gemv_q8(be, w->type, w->cols)) {
         if (x_from_last_op && n == 1 && cu->q8x_of == x && cu->q8x_cols == w->cols)
-            xq = qc_q8x{(const int8_t *)cu->q8x, qc_q8x_ds_at(cu->q8x, 1, w->cols), w->cols, w->cols / 32};
+            xq = qc_q8x{(const int8_t *)cu->q8x_of_at, qc_q8x_ds_at(cu->q8x_of_at, 1, w->cols), w->cols, w->cols / 32};
         else if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0)
             return -1;
         switch (w->type) {

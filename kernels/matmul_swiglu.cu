@@ -10,7 +10,9 @@
  *
  * A norm weight and 8-bit activations (qc_gemv_q8.cuh) are applied as in matmul_multi.cu: a
  * weight with an 8-bit GEMV reads x normalised and quantized once by the launcher, a float one
- * x normalised in shared memory (decode) or in a scratch buffer.
+ * x normalised in shared memory (decode) or in a scratch buffer. One token of a 0.5B-like
+ * shape takes qc_gemv_q8_swiglu_q8out_kernel, 32 rows a block, which also leaves act's 8-bit
+ * form for the down projection.
  *
  * Prefill (n > QC_GEMV_MAX_TOKENS): those three ops, with gate in act and up in a backend
  * scratch buffer (grown outside the decode path, like matmul's).
@@ -76,6 +78,50 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restri
     float g[NT], u[NT];
     qc_gemv_q8_row2<T, NT>(Wg + r * row_bytes, Wu + r * row_bytes, cols, xq, n, t0, lane, g, u);
     qc_swiglu_store<NT>(g, u, lane, t0, n, rows, r, act);
+}
+
+/* One token, gate and up of one 32-element 8-bit type (Q4_0, Q5_0, Q8_0), QC_SWIGLU_ROWS rows a
+ * block: each warp computes two rows of both weights in one loop (qc_gemv_q8_row4: four rows'
+ * loads in flight, each with qc_gemv_q8_row_slice's operations, so act is
+ * qc_gemv_q8_swiglu_kernel's bit for bit), and the block, holding a whole block of 32 act values,
+ * also quantizes it (qc_q8_quantize_block: qc_quantize_q8_kernel's bits) into act_qs, act_ds for
+ * the down projection (matmul.cu reads it through cu->q8x_of). Why: that quantize was a launch of
+ * its own after every gate/up, a kernel boundary and a pass through L2 a layer; a 0.5B decode
+ * step went from 1601-1608 to 1622-1640 tok/s on the H100 (bench/results, 20261124 report).
+ * Where it is taken (swiglu_q8out_takes): two blocks an SM hold 64 registers a thread, which the
+ * 256-element formats exceed (Q4_K, Q6_K spilled), and the grid must be one wave of them: the
+ * 1.5B (8960 rows, Q4_K) and 7B (18944) decoded 1.7% and 5.6% slower with it. */
+#define QC_SWIGLU_ROWS 32
+#define QC_SWIGLU_Q8_THREADS (32 * QC_SWIGLU_ROWS / 2)
+#define QC_SWIGLU_Q8_BLOCKS_PER_SM 2
+static int swiglu_q8out_takes(const qc_cuda *cu, const qc_weight *w_gate, const qc_weight *w_up, int n) {
+    const uint32_t t = w_gate->type;
+    return n == 1 && w_up->type == t && (t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0) &&
+           w_gate->rows % QC_SWIGLU_ROWS == 0 && w_gate->rows <= QC_Q8X_MAX_COLS &&
+           w_gate->rows / QC_SWIGLU_ROWS <= (int64_t)QC_SWIGLU_Q8_BLOCKS_PER_SM * cu->sm_count;
+}
+template <int T>
+__global__ void __launch_bounds__(QC_SWIGLU_Q8_THREADS, QC_SWIGLU_Q8_BLOCKS_PER_SM)
+qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu, int64_t row_bytes,
+                               int64_t rows, int64_t cols, const qc_q8x xq, float *__restrict__ act,
+                               int8_t *__restrict__ act_qs, float2 *__restrict__ act_ds) {
+    __shared__ float act_s[QC_SWIGLU_ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t r0 = (int64_t)blockIdx.x * QC_SWIGLU_ROWS;   /* rows is a multiple of QC_SWIGLU_ROWS */
+    const int64_t r = r0 + 2 * warp;
+    qc_prefetch_l2(Wg + r0 * row_bytes, QC_SWIGLU_ROWS * row_bytes);
+    qc_prefetch_l2(Wu + r0 * row_bytes, QC_SWIGLU_ROWS * row_bytes);
+    qc_grid_start();
+    const uint8_t *const four[4] = {Wg + r * row_bytes, Wu + r * row_bytes, Wg + (r + 1) * row_bytes,
+                                    Wu + (r + 1) * row_bytes};
+    float acc[4];
+    qc_gemv_q8_row4<T>(four, cols, xq, lane, acc);
+    if (lane == 0) {
+        act_s[2 * warp] = act[r] = qc_silu_mul(acc[0], acc[1]);
+        act_s[2 * warp + 1] = act[r + 1] = qc_silu_mul(acc[2], acc[3]);
+    }
+    __syncthreads();
+    if (warp == 0) qc_q8_quantize_block(act_s[lane], lane, act_qs + r0, act_ds + blockIdx.x);
 }
 
 /* A gate and an up weight of different types, one row after the other, each with its own GEMV
@@ -198,6 +244,28 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     if (w_gate->type != w_up->type) {
         launch_swiglu_mixed(w_gate, gate_q8, w_up, up_q8, x, xq, n, norm_w, eps, act, grid, cu);
         return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");
+    }
+    if (gate_q8 && swiglu_q8out_takes(cu, w_gate, w_up, n)) {
+        /* one token: act's 8-bit form too, for the down projection (matmul.cu, x_from_last_op) */
+        const int64_t rb = qc_row_bytes(w_gate->type, w_gate->cols);
+        int8_t *act_qs = (int8_t *)cu->q8x_act;
+        float2 *act_ds = qc_q8x_ds_at(cu->q8x_act, 1, rows);
+        const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
+        const dim3 grid32((unsigned)(rows / QC_SWIGLU_ROWS));
+        switch (w_gate->type) {
+#define QC_CASE_(T)                                                                                            \
+    case T:                                                                                                    \
+        qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T>, grid32, dim3(QC_SWIGLU_Q8_THREADS), 0, Wg, Wu, rb, rows, \
+                  w_gate->cols, xq, act, act_qs, act_ds);                                                      \
+        break;
+            QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
+#undef QC_CASE_
+        }
+        if (QC_LAUNCHED(be, "qc_gemv_q8_swiglu_q8out_kernel") < 0) return -1;
+        cu->q8x_of = act;
+        cu->q8x_cols = rows;
+        cu->q8x_of_at = cu->q8x_act;
+        return 0;
     }
     if (gate_q8) {
         switch (w_gate->type) {

@@ -55,6 +55,10 @@ typedef struct qc_cuda {
      * persistent decode kernel), and every upload and copy, sets it to NULL. */
     const float *q8x_of;
     int64_t q8x_cols;
+    void *q8x_of_at;            /* where that 8-bit form is laid out (qc_q8x_ds_at): q8x or q8x_act */
+    /* the 8-bit form of one act row that matmul_swiglu's one-token kernel leaves for the down
+     * projection: the second one-token region of q8x, apart from the gate/up GEMV's own input */
+    void *q8x_act;
     /* the persistent decode kernel (decode_step.cu): whether the device can launch a
      * cooperative grid, and its counters, zeroed at creation and back to zero after every
      * launch: the grid barrier (QC_DEC_SYNC_BARRIER) and one per block of 32 act values */

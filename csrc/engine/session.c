@@ -1215,9 +1215,11 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     }
     CAPTURE(observe_layer(s, p, l, L_FFN_ACT, sc->act, c0, nc, ffn, err));
 
-    /* down projection and the residual: x = x + act @ Wdown^T */
+    /* down projection and the residual: x = x + act @ Wdown^T; act comes straight from the fused
+     * gate/up op unless a patch replaced it */
     if (fuse_down) {
-        OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x, 0));
+        const int act_from_last_op = fuse_gate_up && !layer_patched(s, l, L_FFN_ACT);
+        OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x, act_from_last_op));
     } else {
         OP(op->matmul(be, &L->w_down, NULL, sc->act, nc, sc->y));
         CAPTURE(observe_layer(s, p, l, L_FFN_OUT, sc->y, c0, nc, dim, err));
