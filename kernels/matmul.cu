@@ -44,8 +44,16 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     const int64_t r = S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS + warp : (int64_t)blockIdx.x;
     const int t0 = blockIdx.y * NT;
     qc_gemv_prefetch(W, row_bytes, S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS : r, QC_GEMV_WARPS / S, rows);
+    /* the epilogue's operands are loaded at the start, not after the dot products (one L2 round
+     * trip less on the way out): the bias before the wait (no kernel writes it), the residual
+     * (written by kernels that have finished) right after it */
+    const bool writer = lane == 0 && (S == 1 || warp == 0) && r < rows;
+    const float b_r = writer && bias ? bias[r] : 0.0f;
     qc_grid_start();
     if (r >= rows) return;   /* whole warps (S = 1) or the whole block (S > 1) leave together */
+    float res[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) res[j] = writer && residual && t0 + j < n ? residual[(int64_t)(t0 + j) * rows + r] : 0.0f;
     float acc[NT];
     const int64_t first = S == 1 ? lane : lane + 32 * warp;
     if constexpr (Q8) qc_gemv_q8_row_slice<T, NT>(W + r * row_bytes, cols, xq, n, t0, first, 32 * S, acc);
@@ -69,9 +77,9 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     for (int j = 0; j < NT; j++) {
         if (t0 + j < n) {
             const int64_t at = (int64_t)(t0 + j) * rows + r;
-            const float v = bias ? acc[j] + bias[r] : acc[j];
+            const float v = bias ? acc[j] + b_r : acc[j];
             /* residual + v: the add op's operands, so matmul_add gives matmul-then-add's bits */
-            out[at] = residual ? residual[at] + v : v;
+            out[at] = residual ? res[j] + v : v;
         }
     }
 }

@@ -124,13 +124,14 @@ qc_gemv_qkv_rope_kernel(const qc_gemv_parts parts, int64_t cols, const float *__
     const int32_t pos = rope.pos[0];
     const double2 cs = which < 2 && warp < 2 && lane == 0 ? qc_rope_angle(i, rope.head_dim, pos, rope.theta)
                                                           : make_double2(1.0, 0.0);
+    const float b_r = lane == 0 && p.bias && r < p.rows ? p.bias[r] : 0.0f;   /* a weight: before the wait */
     qc_grid_start();
     if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
     if (r >= p.rows) return;   /* only past v's last row (whole warps): q and k blocks are whole */
     float acc[1];
     qc_gemv_row_either<1>(ANY_Q8 && p.q8, p.type, p.W + r * p.row_bytes, cols, xq, norm_w ? xs : NULL, x, 1, 0,
                           lane, acc);
-    const float y = p.bias ? acc[0] + p.bias[r] : acc[0];
+    const float y = p.bias ? acc[0] + b_r : acc[0];
     if (which == 2) {
         if (lane == 0) {
             p.out[r] = y;
