@@ -50,9 +50,10 @@ typedef struct qc_cuda {
     int gemv_q8;
     void *q8x;
     /* the one-token activation whose 8-bit form q8x holds (cols values), left there by the op
-     * that wrote both (attention's split kernel) for the matmul_add right after it
-     * (x_from_last_op), or NULL. Every other writer of q8x (the quantize launchers, the
-     * persistent decode kernel), and every upload and copy, sets it to NULL. */
+     * that wrote both (attention's split and cluster kernels; matmul_swiglu's one-token kernel,
+     * in q8x_act) for the matmul_add right after it (x_from_last_op), or NULL. Every other
+     * writer of q8x (the quantize launchers, the persistent decode kernel), and every upload and
+     * copy, sets it to NULL. */
     const float *q8x_of;
     int64_t q8x_cols;
     void *q8x_of_at;            /* where that 8-bit form is laid out (qc_q8x_ds_at): q8x or q8x_act */

@@ -378,19 +378,23 @@ def matmul_multi(weights, x, biases=None, device="cpu", norm=None, eps=1e-6):
     if any(w.shape[1] != cols for w in ws):
         raise ValueError(f"matmul_multi: the weights' columns differ: {[w.shape for w in ws]}")
     x = _matmul_x(x, cols, "matmul_multi")
-    if biases is None:
-        biases = [None] * len(ws)
-    biases = list(biases)
+    outs = _core.kernel_matmul_multi(_device(device), tuple(w._arg() for w in ws), x.reshape(-1, cols),
+                                     _biases(biases, ws, "matmul_multi"), _norm_arg(norm, cols, "matmul_multi"),
+                                     float(eps))
+    return tuple(o.reshape(*x.shape[:-1], w.shape[0]) for o, w in zip(outs, ws))
+
+
+def _biases(biases, ws, op):
+    """One float32 bias (rows,) or None per weight of ws, as a tuple (None: no biases)."""
+    biases = [None] * len(ws) if biases is None else list(biases)
     if len(biases) != len(ws):
-        raise ValueError(f"matmul_multi: {len(biases)} biases for {len(ws)} weights")
+        raise ValueError(f"{op}: {len(biases)} biases for {len(ws)} weights")
     for i, (w, b) in enumerate(zip(ws, biases)):
         if b is not None:
             b = biases[i] = _f32(b, f"biases[{i}]", 1)
             if b.shape[0] != w.shape[0]:
-                raise ValueError(f"matmul_multi: bias {i} has {b.shape[0]} values, its weight {w.shape[0]} rows")
-    outs = _core.kernel_matmul_multi(_device(device), tuple(w._arg() for w in ws), x.reshape(-1, cols),
-                                     tuple(biases), _norm_arg(norm, cols, "matmul_multi"), float(eps))
-    return tuple(o.reshape(*x.shape[:-1], w.shape[0]) for o, w in zip(outs, ws))
+                raise ValueError(f"{op}: bias {i} has {b.shape[0]} values, its weight {w.shape[0]} rows")
+    return tuple(biases)
 
 
 def _norm_arg(norm, cols, op):
@@ -458,14 +462,7 @@ def matmul_qkv_rope(weights, x, biases, pos, k_cache, v_cache, head_dim, theta=1
         raise ValueError(f"matmul_qkv_rope: weights {[w.shape for w in ws]} must share columns, k and v one shape, "
                          f"rows whole heads of {hd}")
     x = _matmul_x(x, cols, "matmul_qkv_rope").reshape(-1, cols)
-    biases = [None] * 3 if biases is None else list(biases)
-    if len(biases) != 3:
-        raise ValueError(f"matmul_qkv_rope: {len(biases)} biases for 3 weights")
-    for i, (w, b) in enumerate(zip(ws, biases)):
-        if b is not None:
-            b = biases[i] = _f32(b, f"biases[{i}]", 1)
-            if b.shape[0] != w.shape[0]:
-                raise ValueError(f"matmul_qkv_rope: bias {i} has {b.shape[0]} values, its weight {w.shape[0]} rows")
+    biases = _biases(biases, ws, "matmul_qkv_rope")
     k_cache = _cache(k_cache, "k_cache")
     v_cache = _cache(v_cache, "v_cache")
     kv_dim = ws[1].shape[0]
@@ -475,7 +472,7 @@ def matmul_qkv_rope(weights, x, biases, pos, k_cache, v_cache, head_dim, theta=1
     pos = _i32(pos, "pos", n)
     if pos.size and (pos.min() < 0 or pos.max() >= k_cache.shape[0]):
         raise ValueError(f"matmul_qkv_rope: positions must be in [0, {k_cache.shape[0]})")
-    q, k, v, kc, vc = _core.kernel_matmul_qkv_rope(_device(device), tuple(w._arg() for w in ws), x, tuple(biases), pos,
+    q, k, v, kc, vc = _core.kernel_matmul_qkv_rope(_device(device), tuple(w._arg() for w in ws), x, biases, pos,
                                                    k_cache, v_cache, hd, float(theta),
                                                    _norm_arg(norm, cols, "matmul_qkv_rope"), float(eps))
     return q.reshape(n, -1, hd), k.reshape(n, -1, hd), v.reshape(n, -1, hd), kc, vc

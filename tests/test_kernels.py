@@ -686,6 +686,29 @@ def test_fused_argument_errors():
         K.rope_kv_store(np.zeros((1, 4, 5), np.float32), np.zeros((1, 2, 5), np.float32),
                         np.zeros((1, 2, 5), np.float32), [0], np.zeros((3, 10), np.float32),
                         np.zeros((3, 10), np.float32))
+    # matmul_qkv_rope: q (4 heads of 8), k and v (2 heads), caches of 3 rows
+    wq, _ = random_weight("Q8_0", 32, 64)
+    wkv, _ = random_weight("Q8_0", 16, 64)
+    cache = np.zeros((3, 16), np.float32)
+    with pytest.raises(ValueError, match="whole heads"):
+        K.matmul_qkv_rope([wq, wkv, wkv], x[:1], None, [0], cache, cache, head_dim=6)
+    with pytest.raises(ValueError, match="bias 2"):
+        K.matmul_qkv_rope([wq, wkv, wkv], x[:1], [None, None, np.zeros(3, np.float32)], [0], cache, cache, 8)
+    with pytest.raises(ValueError, match="caches"):
+        K.matmul_qkv_rope([wq, wkv, wkv], x[:1], None, [0], np.zeros((3, 8), np.float32), cache, 8)
+    with pytest.raises(ValueError, match="positions"):
+        K.matmul_qkv_rope([wq, wkv, wkv], x[:1], None, [3], cache, cache, 8)
+    # the C layer checks on its own what the Python layer checked (kernels.py's docstring)
+    args = tuple(w._arg() for w in (wq, wkv, wkv))
+    with pytest.raises(ValueError, match="bias 1"):
+        qwencuda._core.kernel_matmul_qkv_rope("cpu", args, x[:1], (None, np.zeros(5, np.float32), None),
+                                              np.zeros(1, np.int32), cache, cache, 8, 1e6)
+    with pytest.raises(ValueError, match="whole heads"):
+        qwencuda._core.kernel_matmul_qkv_rope("cpu", args, x[:1], (None,) * 3, np.zeros(1, np.int32), cache, cache,
+                                              6, 1e6)
+    with pytest.raises(ValueError, match="positions"):
+        qwencuda._core.kernel_matmul_qkv_rope("cpu", args, x[:1], (None,) * 3, np.zeros(2, np.int32), cache, cache,
+                                              8, 1e6)
 
 
 # --------------------------------------------------------------------------------------------

@@ -133,8 +133,9 @@ typedef int qc_op_sample(qc_backend *be, const float *logits, int64_t n_vocab, c
 /* out[n][rows] = residual[n][rows] + x[n][cols] @ W^T: matmul (no bias), then add.
  * residual may alias out (the residual stream updated in place). x_from_last_op: the caller
  * says that x is the output of the backend op called just before this one (attention, or
- * matmul_swiglu for the down projection), unchanged since: a backend that left x's 8-bit form beside it (CUDA, one token) reads that
- * instead of quantizing x again; the result is the same either way. */
+ * matmul_swiglu for the down projection), unchanged since: a backend that left x's 8-bit form
+ * beside it (CUDA, one token) reads that instead of quantizing x again; the result is the same
+ * either way. */
 typedef int qc_op_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
                              const float *residual, float *out, int x_from_last_op);
 /* matmul of one x by n_parts (1..QC_MATMUL_MULTI_MAX) weights with the same cols, each with

@@ -527,6 +527,42 @@ typedef struct {
     float eps;
 } matmul_multi_args;
 
+/* The parts of a matmul_multi call (a->w, a->n_parts, a->x and a->n set): each weight's bias
+ * from bseq (None: none) and a new output (n, rows) in out[i], and the norm weight nobj (None or
+ * NULL: none), all added to the job j after its first *n_arrays arrays. 0, or -1 with an
+ * exception set. matmul_multi and matmul_qkv_rope share it. */
+static int multi_outputs(held *h, kernel_job *j, int *n_arrays, matmul_multi_args *a, PyObject *bseq, PyObject *nobj,
+                         PyArrayObject **out, const char *op) {
+    char what[64];
+    for (int i = 0; i < a->n_parts; i++) {
+        PyObject *b = PyTuple_GET_ITEM(bseq, i);
+        npy_intp shape[2] = {(npy_intp)a->n, (npy_intp)a->w[i]->rows};
+        if (b != Py_None) {
+            snprintf(what, sizeof what, "%s bias", op);
+            PyArrayObject *bias = hold(h, as_array(b, NPY_FLOAT32, 1, what));
+            if (bias == NULL) return -1;
+            if (PyArray_DIM(bias, 0) != a->w[i]->rows) {
+                PyErr_Format(PyExc_ValueError, "%s: bias %d has %zd values, its weight %lld rows", op, i,
+                             (Py_ssize_t)PyArray_DIM(bias, 0), (long long)a->w[i]->rows);
+                return -1;
+            }
+            a->bias[i] = arr_in(bias);
+            j->arrays[(*n_arrays)++] = &a->bias[i];
+        }
+        if ((out[i] = hold(h, new_array(NPY_FLOAT32, 2, shape))) == NULL) return -1;
+        a->out[i] = arr_out(out[i]);
+        j->arrays[(*n_arrays)++] = &a->out[i];
+    }
+    PyArrayObject *norm;
+    snprintf(what, sizeof what, "%s norm", op);
+    if (norm_arg(h, nobj, a->w[0]->cols, what, &norm) < 0) return -1;
+    if (norm) {
+        a->norm = arr_in(norm);
+        j->arrays[(*n_arrays)++] = &a->norm;
+    }
+    return 0;
+}
+
 static int op_matmul_multi(qc_backend *be, void *p) {
     matmul_multi_args *a = p;
     qc_matmul_part parts[QC_MATMUL_MULTI_MAX];
@@ -543,7 +579,7 @@ static PyObject *kernel_matmul_multi(PyObject *self, PyObject *args) {
     kernel_job j = {.op = op_matmul_multi, .args = &a, .arrays = {&a.x}};
     int n_arrays = 1;
     cached_backend *c;
-    PyArrayObject *x, *out[QC_MATMUL_MULTI_MAX], *norm;
+    PyArrayObject *x, *out[QC_MATMUL_MULTI_MAX];
     if (!PyArg_ParseTuple(args, "sO!OO!|Of", &device, &PyTuple_Type, &wseq, &xobj, &PyTuple_Type, &bseq,
                           &nobj, &a.eps))
         return NULL;
@@ -567,29 +603,7 @@ static PyObject *kernel_matmul_multi(PyObject *self, PyObject *args) {
     a.x = arr_in(x);
     a.n = (int)PyArray_DIM(x, 0);
     j.empty = a.n == 0;
-    for (int i = 0; i < a.n_parts; i++) {
-        PyObject *b = PyTuple_GET_ITEM(bseq, i);
-        npy_intp shape[2] = {PyArray_DIM(x, 0), (npy_intp)a.w[i]->rows};
-        if (b != Py_None) {
-            PyArrayObject *bias = hold(&h, as_array(b, NPY_FLOAT32, 1, "matmul_multi bias"));
-            if (bias == NULL) goto done;
-            if (PyArray_DIM(bias, 0) != a.w[i]->rows) {
-                PyErr_Format(PyExc_ValueError, "matmul_multi: bias %d has %zd values, its weight %lld rows", i,
-                             (Py_ssize_t)PyArray_DIM(bias, 0), (long long)a.w[i]->rows);
-                goto done;
-            }
-            a.bias[i] = arr_in(bias);
-            j.arrays[n_arrays++] = &a.bias[i];
-        }
-        if ((out[i] = hold(&h, new_array(NPY_FLOAT32, 2, shape))) == NULL) goto done;
-        a.out[i] = arr_out(out[i]);
-        j.arrays[n_arrays++] = &a.out[i];
-    }
-    if (norm_arg(&h, nobj, a.w[0]->cols, "matmul_multi norm", &norm) < 0) goto done;
-    if (norm) {
-        a.norm = arr_in(norm);
-        j.arrays[n_arrays++] = &a.norm;
-    }
+    if (multi_outputs(&h, &j, &n_arrays, &a, bseq, nobj, out, "matmul_multi") < 0) goto done;
     if (run_job(c, &j) < 0 || (res = PyTuple_New(a.n_parts)) == NULL) goto done;
     for (int i = 0; i < a.n_parts; i++) PyTuple_SET_ITEM(res, i, new_ref(out[i]));
 done:
@@ -598,20 +612,21 @@ done:
 }
 
 typedef struct {
-    const qc_weight *w[3];
-    job_array x, bias[3], out[3], norm, pos, k_cache, v_cache;   /* bias, norm: dev NULL when none */
-    int n, n_head, n_head_kv, head_dim;
-    float eps, theta;
+    matmul_multi_args mm;       /* q, k and v (n_parts 3) */
+    job_array pos, k_cache, v_cache;   /* the caches updated in place */
+    int n_head, n_head_kv, head_dim;
+    float theta;
     int kv_type;
 } matmul_qkv_rope_args;
 
 static int op_matmul_qkv_rope(qc_backend *be, void *p) {
     matmul_qkv_rope_args *a = p;
-    if (a->n == 0) return 0;    /* the caches come back as they went */
+    const matmul_multi_args *m = &a->mm;
+    if (m->n == 0) return 0;    /* the caches come back as they went */
     qc_matmul_part parts[3];
-    for (int i = 0; i < 3; i++) parts[i] = (qc_matmul_part){a->w[i], a->bias[i].dev, a->out[i].dev};
+    for (int i = 0; i < 3; i++) parts[i] = (qc_matmul_part){m->w[i], m->bias[i].dev, m->out[i].dev};
     qc_kv_cache cache = {a->k_cache.dev, a->v_cache.dev, a->kv_type};
-    return be->ops->matmul_qkv_rope(be, parts, a->x.dev, a->n, a->norm.dev, a->eps, a->pos.dev, a->n_head,
+    return be->ops->matmul_qkv_rope(be, parts, m->x.dev, m->n, m->norm.dev, m->eps, a->pos.dev, a->n_head,
                                     a->n_head_kv, a->head_dim, a->theta, cache);
 }
 
@@ -620,78 +635,57 @@ static PyObject *kernel_matmul_qkv_rope(PyObject *self, PyObject *args) {
     const char *device;
     PyObject *wseq, *xobj, *bseq, *pobj, *kcobj, *vcobj, *nobj = NULL, *res = NULL;
     held h = {0};
-    matmul_qkv_rope_args a = {0};
-    kernel_job j = {.op = op_matmul_qkv_rope, .args = &a, .arrays = {&a.x, &a.pos, &a.k_cache, &a.v_cache}};
+    matmul_qkv_rope_args a = {.mm = {.n_parts = 3}};
+    matmul_multi_args *m = &a.mm;
+    kernel_job j = {.op = op_matmul_qkv_rope, .args = &a, .arrays = {&m->x, &a.pos, &a.k_cache, &a.v_cache}};
     int n_arrays = 4, k_type, v_type;
     cached_backend *c;
-    PyArrayObject *x, *pos, *kc, *vc, *norm, *out[5];
+    PyArrayObject *x, *pos, *kc, *vc, *out[5];
     if (!PyArg_ParseTuple(args, "sO!OO!OOOif|Of", &device, &PyTuple_Type, &wseq, &xobj, &PyTuple_Type, &bseq, &pobj,
-                          &kcobj, &vcobj, &a.head_dim, &a.theta, &nobj, &a.eps))
+                          &kcobj, &vcobj, &a.head_dim, &a.theta, &nobj, &m->eps))
         return NULL;
     if (PyTuple_GET_SIZE(wseq) != 3 || PyTuple_GET_SIZE(bseq) != 3) {
         PyErr_SetString(PyExc_ValueError, "matmul_qkv_rope: three weights (q, k, v) and three biases (or None)");
         return NULL;
     }
     for (int i = 0; i < 3; i++)
-        if ((a.w[i] = j.w[i] = hold_weight(&h, PyTuple_GET_ITEM(wseq, i))) == NULL) goto done;
-    const int64_t hd = a.head_dim, kv_dim = a.w[1]->rows;
-    if (hd <= 0 || hd % 2 != 0 || a.w[1]->cols != a.w[0]->cols || a.w[2]->cols != a.w[0]->cols ||
-        a.w[0]->rows % hd != 0 || kv_dim % hd != 0 || a.w[2]->rows != kv_dim || a.w[0]->rows / hd > INT32_MAX ||
+        if ((m->w[i] = j.w[i] = hold_weight(&h, PyTuple_GET_ITEM(wseq, i))) == NULL) goto done;
+    const int64_t hd = a.head_dim, kv_dim = m->w[1]->rows;
+    if (hd <= 0 || hd % 2 != 0 || m->w[1]->cols != m->w[0]->cols || m->w[2]->cols != m->w[0]->cols ||
+        m->w[0]->rows % hd != 0 || kv_dim % hd != 0 || m->w[2]->rows != kv_dim || m->w[0]->rows / hd > INT32_MAX ||
         kv_dim / hd < 1) {
         PyErr_Format(PyExc_ValueError, "matmul_qkv_rope: q (%lld x %lld), k (%lld x %lld) and v (%lld x %lld) must "
                      "have one column count, whole heads of head_dim %d (even), and k and v one shape",
-                     (long long)a.w[0]->rows, (long long)a.w[0]->cols, (long long)a.w[1]->rows,
-                     (long long)a.w[1]->cols, (long long)a.w[2]->rows, (long long)a.w[2]->cols, a.head_dim);
+                     (long long)m->w[0]->rows, (long long)m->w[0]->cols, (long long)m->w[1]->rows,
+                     (long long)m->w[1]->cols, (long long)m->w[2]->rows, (long long)m->w[2]->cols, a.head_dim);
         goto done;
     }
-    a.n_head = (int)(a.w[0]->rows / hd);
+    a.n_head = (int)(m->w[0]->rows / hd);
     a.n_head_kv = (int)(kv_dim / hd);
     if ((c = get_backend(device)) == NULL ||
-        (x = hold(&h, matmul_x(xobj, a.w[0]->cols, "matmul_qkv_rope"))) == NULL ||
+        (x = hold(&h, matmul_x(xobj, m->w[0]->cols, "matmul_qkv_rope"))) == NULL ||
         (pos = hold(&h, as_array(pobj, NPY_INT32, 1, "matmul_qkv_rope positions"))) == NULL ||
         (kc = hold(&h, as_cache(kcobj, "matmul_qkv_rope k_cache", &k_type))) == NULL ||
         (vc = hold(&h, as_cache(vcobj, "matmul_qkv_rope v_cache", &v_type))) == NULL ||
         caches_agree(k_type, v_type, "matmul_qkv_rope") < 0)
         goto done;
-    a.n = (int)PyArray_DIM(x, 0);
-    if (PyArray_DIM(pos, 0) != a.n || !PyArray_SAMESHAPE(kc, vc) || PyArray_DIM(kc, 1) != kv_dim) {
-        PyErr_Format(PyExc_ValueError, "matmul_qkv_rope: positions must be (%d,) and the caches (max_ctx, %lld)", a.n,
+    m->n = (int)PyArray_DIM(x, 0);
+    if (PyArray_DIM(pos, 0) != m->n || !PyArray_SAMESHAPE(kc, vc) || PyArray_DIM(kc, 1) != kv_dim) {
+        PyErr_Format(PyExc_ValueError, "matmul_qkv_rope: positions must be (%d,) and the caches (max_ctx, %lld)", m->n,
                      (long long)kv_dim);
         goto done;
     }
     if (check_positions(pos, PyArray_DIM(kc, 0), "matmul_qkv_rope") < 0) goto done;
-    a.x = arr_in(x);
+    m->x = arr_in(x);
     a.pos = arr_in(pos);
     a.kv_type = k_type;
     j.empty = PyArray_SIZE(kc) == 0;
-    for (int i = 0; i < 3; i++) {
-        PyObject *b = PyTuple_GET_ITEM(bseq, i);
-        npy_intp shape[2] = {PyArray_DIM(x, 0), (npy_intp)a.w[i]->rows};
-        if (b != Py_None) {
-            PyArrayObject *bias = hold(&h, as_array(b, NPY_FLOAT32, 1, "matmul_qkv_rope bias"));
-            if (bias == NULL) goto done;
-            if (PyArray_DIM(bias, 0) != a.w[i]->rows) {
-                PyErr_Format(PyExc_ValueError, "matmul_qkv_rope: bias %d has %zd values, its weight %lld rows", i,
-                             (Py_ssize_t)PyArray_DIM(bias, 0), (long long)a.w[i]->rows);
-                goto done;
-            }
-            a.bias[i] = arr_in(bias);
-            j.arrays[n_arrays++] = &a.bias[i];
-        }
-        if ((out[i] = hold(&h, new_array(NPY_FLOAT32, 2, shape))) == NULL) goto done;
-        a.out[i] = arr_out(out[i]);
-        j.arrays[n_arrays++] = &a.out[i];
-    }
     if ((out[3] = hold(&h, new_array(PyArray_TYPE(kc), 2, PyArray_DIMS(kc)))) == NULL ||
         (out[4] = hold(&h, new_array(PyArray_TYPE(vc), 2, PyArray_DIMS(vc)))) == NULL)
         goto done;
     a.k_cache = arr_inout(kc, out[3]);
     a.v_cache = arr_inout(vc, out[4]);
-    if (norm_arg(&h, nobj, a.w[0]->cols, "matmul_qkv_rope norm", &norm) < 0) goto done;
-    if (norm) {
-        a.norm = arr_in(norm);
-        j.arrays[n_arrays++] = &a.norm;
-    }
+    if (multi_outputs(&h, &j, &n_arrays, m, bseq, nobj, out, "matmul_qkv_rope") < 0) goto done;
     if (run_job(c, &j) == 0) res = Py_BuildValue("(OOOOO)", out[0], out[1], out[2], out[3], out[4]);
 done:
     release_held(&h);
