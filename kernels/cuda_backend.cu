@@ -416,6 +416,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
          * QWENCUDA_CLUSTERS=0 turn them off */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
+        cu->w_shared = sm90 && env_on("QWENCUDA_WEIGHTS_SHARED");
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

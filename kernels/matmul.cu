@@ -33,30 +33,41 @@
  * out (matmul_add on the residual stream): each element is read, then written, by one lane, so
  * neither of the two is __restrict__. Q8: the dot products on 8-bit activations xq
  * (qc_gemv_q8.cuh), else on x. */
-template <int T, int NT, int S, bool Q8>
+template <int T, int NT, int S, bool Q8, bool SH = false>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
                const float *__restrict__ x, const qc_q8x xq, int n, const float *__restrict__ bias,
                const float *residual, float *out) {
     static_assert(S == 1 || S == QC_GEMV_WARPS, "a split row takes the whole block");
+    static_assert(!SH || Q8, "the 8-bit GEMV reads a shared copy");
     __shared__ float slice_sum[S > 1 ? S : 1][NT];
+    extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r = S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS + warp : (int64_t)blockIdx.x;
     const int t0 = blockIdx.y * NT;
-    qc_gemv_prefetch(W, row_bytes, S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS : r, QC_GEMV_WARPS / S, rows);
+    const int64_t r_first = S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS : r;
+    /* SH: the block's rows copied into shared memory (qc_copy_to_shared), else asked of L2 */
+    const uint8_t *W_rows = W + r_first * row_bytes;
+    if constexpr (SH) {
+        const int64_t nr = rows - r_first < QC_GEMV_WARPS / S ? rows - r_first : QC_GEMV_WARPS / S;
+        W_rows = qc_copy_to_shared(w_shared, W_rows, nr * row_bytes);
+    } else {
+        qc_gemv_prefetch(W, row_bytes, r_first, QC_GEMV_WARPS / S, rows);
+    }
     /* the epilogue's operands are loaded at the start, not after the dot products (one L2 round
      * trip less on the way out): the bias before the wait (no kernel writes it), the residual
      * (written by kernels that have finished) right after it */
     const bool writer = lane == 0 && (S == 1 || warp == 0) && r < rows;
     const float b_r = writer && bias ? bias[r] : 0.0f;
     qc_grid_start();
+    if constexpr (SH) qc_copy_wait();
     if (r >= rows) return;   /* whole warps (S = 1) or the whole block (S > 1) leave together */
     float res[NT];
 #pragma unroll
     for (int j = 0; j < NT; j++) res[j] = writer && residual && t0 + j < n ? residual[(int64_t)(t0 + j) * rows + r] : 0.0f;
     float acc[NT];
     const int64_t first = S == 1 ? lane : lane + 32 * warp;
-    if constexpr (Q8) qc_gemv_q8_row_slice<T, NT>(W + r * row_bytes, cols, xq, n, t0, first, 32 * S, acc);
+    if constexpr (Q8) qc_gemv_q8_row_slice<T, NT, SH>(W_rows + (r - r_first) * row_bytes, cols, xq, n, t0, first, 32 * S, acc);
     else qc_gemv_row_slice<T, NT>(W + r * row_bytes, cols, x, n, t0, first, 32 * S, acc);
     if (S > 1) {
         if (lane == 0) {
@@ -157,6 +168,15 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
     const dim3 block(32 * QC_GEMV_WARPS);
     const uint8_t *W = (const uint8_t *)w->data;
 #define QC_ARGS_ W, rb, w->rows, w->cols, x, xq, n, bias, residual, out
+    /* one token, one wave of blocks: each block's rows into its shared memory before the wait */
+    const size_t shared = qc_shared_copy_bytes(rows_per_block * rb);
+    if constexpr (Q8) {
+        if (n == 1 && cu->w_shared && grid.x <= (unsigned)(QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count) &&
+            shared <= QC_SHARED_COPY_MAX) {
+            qc_launch(cu, qc_gemv_kernel<T, 1, S, true, true>, grid, block, shared, QC_ARGS_);
+            return;
+        }
+    }
     switch (qc_gemv_tokens_per_block(n)) {
     case 1: qc_launch(cu, qc_gemv_kernel<T, 1, S, Q8>, grid, block, 0, QC_ARGS_); break;
     case 2: qc_launch(cu, qc_gemv_kernel<T, 2, S, Q8>, grid, block, 0, QC_ARGS_); break;

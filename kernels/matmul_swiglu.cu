@@ -100,22 +100,34 @@ static int swiglu_q8out_takes(const qc_cuda *cu, const qc_weight *w_gate, const 
            w_gate->rows % QC_SWIGLU_ROWS == 0 && w_gate->rows <= QC_Q8X_MAX_COLS &&
            w_gate->rows / QC_SWIGLU_ROWS <= (int64_t)QC_SWIGLU_Q8_BLOCKS_PER_SM * cu->sm_count;
 }
-template <int T>
+template <int T, bool SH>
 __global__ void __launch_bounds__(QC_SWIGLU_Q8_THREADS, QC_SWIGLU_Q8_BLOCKS_PER_SM)
 qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu, int64_t row_bytes,
                                int64_t rows, int64_t cols, const qc_q8x xq, float *__restrict__ act,
                                int8_t *__restrict__ act_qs, float2 *__restrict__ act_ds) {
     __shared__ float act_s[QC_SWIGLU_ROWS];
+    extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r0 = (int64_t)blockIdx.x * QC_SWIGLU_ROWS;   /* rows is a multiple of QC_SWIGLU_ROWS */
-    const int64_t r = r0 + 2 * warp;
-    qc_prefetch_l2(Wg + r0 * row_bytes, QC_SWIGLU_ROWS * row_bytes);
-    qc_prefetch_l2(Wu + r0 * row_bytes, QC_SWIGLU_ROWS * row_bytes);
+    const int64_t bytes = QC_SWIGLU_ROWS * row_bytes;
+    /* SH: the block's gate and up rows copied into shared memory (qc_copy_to_shared), else
+     * asked of L2 */
+    const uint8_t *g = Wg + r0 * row_bytes, *u = Wu + r0 * row_bytes;
+    if constexpr (SH) {
+        g = qc_copy_to_shared(w_shared, g, bytes);
+        u = qc_copy_to_shared(w_shared + qc_shared_copy_bytes(bytes), u, bytes);
+    } else {
+        qc_prefetch_l2(g, bytes);
+        qc_prefetch_l2(u, bytes);
+    }
     qc_grid_start();
-    const uint8_t *const four[4] = {Wg + r * row_bytes, Wu + r * row_bytes, Wg + (r + 1) * row_bytes,
-                                    Wu + (r + 1) * row_bytes};
+    if constexpr (SH) qc_copy_wait();
+    const int64_t i = 2 * warp;   /* this warp's rows r0 + i and r0 + i + 1 */
+    const int64_t r = r0 + i;
+    const uint8_t *const four[4] = {g + i * row_bytes, u + i * row_bytes, g + (i + 1) * row_bytes,
+                                    u + (i + 1) * row_bytes};
     float acc[4];
-    qc_gemv_q8_row4<T>(four, cols, xq, lane, acc);
+    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);
     if (lane == 0) {
         act_s[2 * warp] = act[r] = qc_silu_mul(acc[0], acc[1]);
         act_s[2 * warp + 1] = act[r + 1] = qc_silu_mul(acc[2], acc[3]);
@@ -252,11 +264,18 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
         float2 *act_ds = qc_q8x_ds_at(cu->q8x_act, 1, rows);
         const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
         const dim3 grid32((unsigned)(rows / QC_SWIGLU_ROWS));
+        /* both weights' rows of a block into its shared memory, where they fit (0.5B: 39 KB) */
+        const size_t shared = 2 * qc_shared_copy_bytes(QC_SWIGLU_ROWS * rb);
+        const bool sh = cu->w_shared && shared <= QC_SHARED_COPY_MAX;
         switch (w_gate->type) {
-#define QC_CASE_(T)                                                                                            \
-    case T:                                                                                                    \
-        qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T>, grid32, dim3(QC_SWIGLU_Q8_THREADS), 0, Wg, Wu, rb, rows, \
-                  w_gate->cols, xq, act, act_qs, act_ds);                                                      \
+#define QC_CASE_(T)                                                                                              \
+    case T:                                                                                                      \
+        if (sh)                                                                                                  \
+            qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, true>, grid32, dim3(QC_SWIGLU_Q8_THREADS), shared, Wg,  \
+                      Wu, rb, rows, w_gate->cols, xq, act, act_qs, act_ds);                                      \
+        else                                                                                                     \
+            qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, false>, grid32, dim3(QC_SWIGLU_Q8_THREADS), 0, Wg, Wu, \
+                      rb, rows, w_gate->cols, xq, act, act_qs, act_ds);                                          \
         break;
             QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
 #undef QC_CASE_

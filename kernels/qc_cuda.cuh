@@ -78,6 +78,10 @@ typedef struct qc_cuda {
      * the kernels' code are sm_90 or newer, and QWENCUDA_CLUSTERS is not "0" at creation (to
      * compare) */
     int clusters;
+    /* decode GEMV blocks copy their weight rows into shared memory before qc_grid_start
+     * (qc_copy_to_shared), where a grid is one wave: QWENCUDA_WEIGHTS_SHARED is not "0" at
+     * creation (to compare) */
+    int w_shared;
     /* download_start's copies (backend.h): QC_DOWNLOAD_TICKETS slots of pinned host memory,
      * QC_DOWNLOAD_AHEAD_BYTES each, and the event after each slot's copy; made at the first
      * download_start. The next copy takes slot next_ticket % QC_DOWNLOAD_TICKETS. */
@@ -210,6 +214,48 @@ __device__ __forceinline__ void qc_grid_start() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+/* ---- weights into shared memory before the wait ----
+ * A decode GEMV block's weight rows depend on no kernel, so under PDL it can move them into its
+ * own shared memory while the kernel before still runs, and after qc_grid_start only the
+ * activations are an L2 round trip away. Why: %globaltimer stamps of a 0.5B decode step on the
+ * H100 (20261124 report) put 0.42-0.45 us between one kernel's last block and the next one's
+ * release, but 1.4-4.2 us in the GEMV bodies after it, where every block loaded its rows from
+ * L2 (the gate/up kernel's 152 blocks move 5.9 MB at once).
+ * qc_copy_to_shared copies global bytes [src, src + bytes) to shared memory at dst + (src % 16),
+ * which it returns (the same 16-byte phase, so 16-byte copies line up; dst is 16-byte aligned
+ * with bytes + 16 of room), by the block's threads: cp.async (sm_80+, no register holds the bytes)
+ * for the aligned 16-byte pieces, plain loads for the few bytes before and after them. Every
+ * thread calls it, and qc_copy_wait before reading the copy. */
+__device__ __forceinline__ const uint8_t *qc_copy_to_shared(uint8_t *dst, const uint8_t *src, int64_t bytes) {
+    const uintptr_t s = (uintptr_t)src, lo = (s + 15) & ~(uintptr_t)15, hi = (s + (uintptr_t)bytes) & ~(uintptr_t)15;
+    uint8_t *d = dst + (s & 15);
+    const uintptr_t a = lo < s + (uintptr_t)bytes ? lo : s + (uintptr_t)bytes, b = hi > a ? hi : a;
+    for (uintptr_t p = a + 16 * threadIdx.x; p < b; p += 16 * blockDim.x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(d + (p - s))),
+                     "l"((const void *)p));
+#else
+        *(uint4 *)(d + (p - s)) = *(const uint4 *)p;
+#endif
+    }
+    /* the head [s, a) and the tail [b, s + bytes): under 16 bytes each */
+    const int head = (int)(a - s), tail = (int)(s + (uintptr_t)bytes - b);
+    if ((int)threadIdx.x < head) d[threadIdx.x] = src[threadIdx.x];
+    else if ((int)threadIdx.x < head + tail) d[(b - s) + (threadIdx.x - head)] = src[(b - s) + (threadIdx.x - head)];
+    return d;
+}
+/* Shared memory for a copy of `bytes` (its 16-byte phase and rounding), and the most a kernel
+ * takes without raising its limit. */
+__host__ __device__ static inline size_t qc_shared_copy_bytes(int64_t bytes) { return (size_t)((bytes + 16 + 15) / 16 * 16); }
+#define QC_SHARED_COPY_MAX (48u << 10)
+/* After qc_grid_start: this thread's copies done, then every thread's (the block's barrier). */
+__device__ __forceinline__ void qc_copy_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+    __syncthreads();
 }
 
 /* Ask L2 for the 128-byte line of p. A hint: no fault, no result, nothing to wait for. */

@@ -290,6 +290,9 @@ __device__ __forceinline__ void qc_gemv_row_any(uint32_t type, const uint8_t *__
  * that under programmatic dependent launch they stream in while the kernel before still runs.
  * Blocks with blockIdx.y > 0 read the same rows for other tokens and leave it to y = 0. */
 #define QC_GEMV_PREFETCH_BYTES 4096
+/* Blocks an SM holds at once of a GEMV that copies its rows to shared memory: grids up to this
+ * many per SM are one wave, and only those copy (a later wave's copy would wait in line). */
+#define QC_GEMV_SHARED_BLOCKS_PER_SM 8
 __device__ __forceinline__ void qc_gemv_prefetch(const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t nr,
                                                  int64_t rows) {
     if (blockIdx.y != 0 || r0 >= rows) return;

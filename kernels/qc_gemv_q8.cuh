@@ -74,25 +74,34 @@ __device__ __forceinline__ void qc_q8_quantize_block4(const float (&v)[4], int s
     if (sub == 0) *ds = make_float2(d, __fmul_rn(d, (float)sum));
 }
 
-/* ---- loads ---------------------------------------------------------------------------- */
+/* ---- loads ----------------------------------------------------------------------------
+ * SH: the weight bytes were copied into shared memory (qc_copy_to_shared, qc_cuda.cuh), read by
+ * plain loads; else they are read from global memory through the read-only path (__ldg). The
+ * same bytes either way, so the same bits. */
+template <bool SH, typename V>
+__device__ __forceinline__ V qc_ldw(const V *p) {
+    if constexpr (SH) return *p;
+    else return __ldg(p);
+}
 
 /* v[k] = the little-endian 32-bit words at p + 4k, k < N, for p 2-byte aligned (the 2-aligned
  * formats): aligned word loads and funnel shifts, the last two bytes by a 2-byte load, so no
  * byte outside [p, p + 4N) is read. */
-template <int N>
+template <int N, bool SH = false>
 __device__ __forceinline__ void qc_ld_words(const uint8_t *p, int (&v)[N]) {
     const uint32_t sh = (uint32_t)(uintptr_t)p & 2u;
     const uint32_t *w = (const uint32_t *)(p - sh);
     uint32_t a[N + 1];
 #pragma unroll
-    for (int k = 0; k < N; k++) a[k] = __ldg(w + k);
-    a[N] = sh ? (uint32_t)__ldg((const unsigned short *)(p + 4 * N - 2)) : 0u;
+    for (int k = 0; k < N; k++) a[k] = qc_ldw<SH>(w + k);
+    a[N] = sh ? (uint32_t)qc_ldw<SH>((const unsigned short *)(p + 4 * N - 2)) : 0u;
 #pragma unroll
     for (int k = 0; k < N; k++) v[k] = (int)__funnelshift_r(a[k], a[k + 1], 8 * sh);
 }
 
+template <bool SH = false>
 __device__ __forceinline__ float qc_ldh(const uint8_t *p) {
-    return __half2float(__ushort_as_half(__ldg((const unsigned short *)p)));
+    return __half2float(__ushort_as_half(qc_ldw<SH>((const unsigned short *)p)));
 }
 
 /* The 8 words of activation block b of one token (shared or global memory). */
@@ -128,12 +137,12 @@ template <int T> struct qc_q8_unit;
 /* Q8_0 (34 bytes): x = d * q */
 template <> struct qc_q8_unit<QC_TYPE_Q8_0> {
     static constexpr int UNIT = 32;
-    template <int NT>
+    template <int NT, bool SH = false>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
         const uint8_t *b = row + u * sizeof(qc_block_q8_0);
         int w[8];
-        qc_ld_words<8>(b + offsetof(qc_block_q8_0, qs), w);
-        const float d = qc_ldh(b + offsetof(qc_block_q8_0, d));
+        qc_ld_words<8, SH>(b + offsetof(qc_block_q8_0, qs), w);
+        const float d = qc_ldh<SH>(b + offsetof(qc_block_q8_0, d));
         qc_q8_dot32<NT>(w, d, u, x, n, t0, acc);
     }
 };
@@ -141,12 +150,12 @@ template <> struct qc_q8_unit<QC_TYPE_Q8_0> {
 /* Q4_0 (18 bytes): x = d * (q - 8); element e < 16 is the low nibble of qs[e], e + 16 the high */
 template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
     static constexpr int UNIT = 32;
-    template <int NT>
+    template <int NT, bool SH = false>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
         const uint8_t *b = row + u * sizeof(qc_block_q4_0);
         int q[4], w[8];
-        qc_ld_words<4>(b + offsetof(qc_block_q4_0, qs), q);
-        const float d = qc_ldh(b + offsetof(qc_block_q4_0, d));
+        qc_ld_words<4, SH>(b + offsetof(qc_block_q4_0, qs), q);
+        const float d = qc_ldh<SH>(b + offsetof(qc_block_q4_0, d));
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             w[k] = (int)__vsub4((uint32_t)q[k] & 0x0F0F0F0Fu, 0x08080808u);
@@ -159,13 +168,13 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
 /* Q5_0 (22 bytes): x = d * (q - 16), bit 4 of element e is bit e of qh */
 template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
     static constexpr int UNIT = 32;
-    template <int NT>
+    template <int NT, bool SH = false>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
         static_assert(offsetof(qc_block_q5_0, qs) == offsetof(qc_block_q5_0, qh) + 4, "qh, then qs");
         const uint8_t *b = row + u * sizeof(qc_block_q5_0);
         int hq[5], w[8];
-        qc_ld_words<5>(b + offsetof(qc_block_q5_0, qh), hq);
-        const float d = qc_ldh(b + offsetof(qc_block_q5_0, d));
+        qc_ld_words<5, SH>(b + offsetof(qc_block_q5_0, qh), hq);
+        const float d = qc_ldh<SH>(b + offsetof(qc_block_q5_0, d));
         const uint32_t qh = (uint32_t)hq[0];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
@@ -197,13 +206,13 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_K> {
             m = (int)((sbyte(s0, s1, s2, j + 4) >> 4) | (sbyte(s0, s1, s2, j) >> 6) << 4);
         }
     }
-    template <int NT>
+    template <int NT, bool SH = false>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
         static_assert(sizeof(qc_block_q4_K) % 16 == 0 && offsetof(qc_block_q4_K, qs) == 16, "aligned layout");
         const uint8_t *b = row + (u >> 2) * sizeof(qc_block_q4_K);
         const int g = (int)(u & 3);
-        const uint4 h = __ldg((const uint4 *)b);
-        const uint4 qa = __ldg((const uint4 *)(b + 16 + 32 * g)), qb = __ldg((const uint4 *)(b + 32 + 32 * g));
+        const uint4 h = qc_ldw<SH>((const uint4 *)b);
+        const uint4 qa = qc_ldw<SH>((const uint4 *)(b + 16 + 32 * g)), qb = qc_ldw<SH>((const uint4 *)(b + 32 + 32 * g));
         const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
         const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFFu)));
         const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
@@ -243,18 +252,18 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_K> {
  * nibbles of the same 32 ql bytes, two bit pairs of the same 32 qh bytes. */
 template <> struct qc_q8_unit<QC_TYPE_Q6_K> {
     static constexpr int UNIT = 64;
-    template <int NT>
+    template <int NT, bool SH = false>
     __device__ static __forceinline__ void run(const uint8_t *row, int64_t u, const qc_q8x &x, int n, int t0, float (&acc)[NT]) {
         const uint8_t *b = row + (u >> 2) * sizeof(qc_block_q6_K);
         const int hh = (int)(u >> 1) & 1, tt = (int)(u & 1);
         int ql[8], qh[8];
-        qc_ld_words<8>(b + offsetof(qc_block_q6_K, ql) + 64 * hh + 32 * tt, ql);
-        qc_ld_words<8>(b + offsetof(qc_block_q6_K, qh) + 32 * hh, qh);
+        qc_ld_words<8, SH>(b + offsetof(qc_block_q6_K, ql) + 64 * hh + 32 * tt, ql);
+        qc_ld_words<8, SH>(b + offsetof(qc_block_q6_K, qh) + 32 * hh, qh);
         const uint8_t *sc = b + offsetof(qc_block_q6_K, scales) + 8 * hh + 2 * tt;
-        const uint32_t sca = __ldg((const unsigned short *)sc), scb = __ldg((const unsigned short *)(sc + 4));
+        const uint32_t sca = qc_ldw<SH>((const unsigned short *)sc), scb = qc_ldw<SH>((const unsigned short *)(sc + 4));
         const int sc0 = (int)(int8_t)(sca & 0xFFu), sc1 = (int)(int8_t)(sca >> 8);
         const int sc2 = (int)(int8_t)(scb & 0xFFu), sc3 = (int)(int8_t)(scb >> 8);
-        const float d = qc_ldh(b + offsetof(qc_block_q6_K, d));
+        const float d = qc_ldh<SH>(b + offsetof(qc_block_q6_K, d));
         int lo[8], hi[8];
 #pragma unroll
         for (int k = 0; k < 8; k++) {
@@ -301,7 +310,7 @@ static inline __host__ __device__ bool qc_q8_type(uint32_t t) {
 
 /* acc[j] = the sum over units first, first + stride, ... of the row, token t0 + j: the same
  * value in every lane of the warp (full-warp shuffles: all 32 lanes call it). */
-template <int T, int NT>
+template <int T, int NT, bool SH = false>
 __device__ __forceinline__ void qc_gemv_q8_row_slice(const uint8_t *__restrict__ row, int64_t cols,
                                                      const qc_q8x &x, int n, int t0, int64_t first,
                                                      int64_t stride, float (&acc)[NT]) {
@@ -309,7 +318,7 @@ __device__ __forceinline__ void qc_gemv_q8_row_slice(const uint8_t *__restrict__
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[j] = 0.0f;
 #pragma unroll 2
-    for (int64_t u = first; u < units; u += stride) qc_q8_unit<T>::template run<NT>(row, u, x, n, t0, acc);
+    for (int64_t u = first; u < units; u += stride) qc_q8_unit<T>::template run<NT, SH>(row, u, x, n, t0, acc);
     qc_warp_sum(acc);
 }
 
@@ -346,14 +355,14 @@ __device__ __forceinline__ void qc_gemv_q8_slice_any(uint32_t type, const uint8_
 /* Four rows of one type against the same x, one token (the persistent decode kernel: gate and
  * up of two rows, or four lm_head rows): one loop, four rows' loads in flight; each accumulator
  * gets exactly qc_gemv_q8_row_slice's operations. */
-template <int T>
+template <int T, bool SH = false>
 __device__ __forceinline__ void qc_gemv_q8_row4(const uint8_t *const (&row)[4], int64_t cols, const qc_q8x &x,
                                                 int lane, float (&acc)[4]) {
     const int64_t units = cols / qc_q8_unit<T>::UNIT;
     float a[4][1] = {{0.0f}, {0.0f}, {0.0f}, {0.0f}};
     for (int64_t u = lane; u < units; u += 32) {
 #pragma unroll
-        for (int k = 0; k < 4; k++) qc_q8_unit<T>::template run<1>(row[k], u, x, 1, 0, a[k]);
+        for (int k = 0; k < 4; k++) qc_q8_unit<T>::template run<1, SH>(row[k], u, x, 1, 0, a[k]);
     }
 #pragma unroll
     for (int k = 0; k < 4; k++) {

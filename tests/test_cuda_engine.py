@@ -209,6 +209,31 @@ def test_dependent_launches_change_no_bit(synth_dir, weight_type, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("config,weight_type", [("tiny-gqa7", "q4_k_m"), ("tiny-gqa7", "q5_0"), ("tiny-gqa7", "q4_0"),
+                                                  ("tiny-hd64", "q8_0"), ("tiny-hd64", "q6_k"), ("tiny-hd128", "q4_k_m")])
+def test_weights_in_shared_memory_change_no_bit(synth_dir, config, weight_type, monkeypatch):
+    """A decode step's GEMV blocks (one wave of them: q/k/v aside, the o and down projections and
+    the 32-row gate/up kernel) copy their weight rows into shared memory before they wait for
+    their inputs, and read them there (kernels/qc_cuda.cuh: qc_copy_to_shared). The bytes are the
+    same, so the logits must be too, bit for bit, against a backend made with
+    QWENCUDA_WEIGHTS_SHARED=0 (rows read from global memory). A copy that missed the head or the
+    tail of a block's rows (Q5_0 and Q6_K rows are not 16-byte aligned), or was read before it
+    landed, would differ."""
+    path = synth(synth_dir, config, weight_type)
+    ids = [int(t) for t in _ids(24, 400, seed=13)]
+
+    def run():
+        with qwencuda.Model(path, device="cuda") as m, m.session(max_context=32) as s:
+            s.prefill(ids[:12], logits=None)
+            return [s.step(t).logits for t in ids[12:]]
+
+    monkeypatch.setenv("QWENCUDA_WEIGHTS_SHARED", "0")
+    plain = run()
+    monkeypatch.delenv("QWENCUDA_WEIGHTS_SHARED")
+    for a, b in zip(run(), plain):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("config", ["tiny-hd64", "tiny-hd128"])
 @pytest.mark.parametrize("weight_type", ["q8_0", "q4_k_m"])
 def test_attention_hands_its_8bit_output_to_o(synth_dir, config, weight_type):
