@@ -220,9 +220,12 @@ __device__ __forceinline__ void qc_grid_start() {
  * A decode GEMV block's weight rows depend on no kernel, so under PDL it can move them into its
  * own shared memory while the kernel before still runs, and after qc_grid_start only the
  * activations are an L2 round trip away. Why: %globaltimer stamps of a 0.5B decode step on the
- * H100 (20261124 report) put 0.42-0.45 us between one kernel's last block and the next one's
- * release, but 1.4-4.2 us in the GEMV bodies after it, where every block loaded its rows from
- * L2 (the gate/up kernel's 152 blocks move 5.9 MB at once).
+ * H100 (bench/results/20261124-d82da0b-*) put 0.42-0.45 us between one kernel's last block and
+ * the next one's release, but 1.4-4.2 us in the GEMV bodies after it, where every block loaded
+ * its rows from L2 (the gate/up kernel's 152 blocks move 5.9 MB at once). What it gave there:
+ * the gate/up, o and down kernels' share of a real-file step fell 232 -> 193 us, but the
+ * norm-and-quantize kernels after them grew 95 -> 120 us, and the step is even with the build
+ * before within noise; it stays for when those norms are folded away.
  * qc_copy_to_shared copies global bytes [src, src + bytes) to shared memory at dst + (src % 16),
  * which it returns (the same 16-byte phase, so 16-byte copies line up; dst is 16-byte aligned
  * with bytes + 16 of room), by the block's threads: cp.async (sm_80+, no register holds the bytes)
