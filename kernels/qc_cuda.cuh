@@ -74,9 +74,9 @@ typedef struct qc_cuda {
      * device and the kernels' code are sm_90 or newer, and QWENCUDA_PDL is not "0" at creation */
     int pdl;
     /* thread-block clusters (sm_90) join a decode step's blocks through shared memory instead of
-     * global memory: the split-K attention merges its splits so (attention.cu). The device and
-     * the kernels' code are sm_90 or newer, and QWENCUDA_CLUSTERS is not "0" at creation (to
-     * compare) */
+     * global memory: the split-K attention merges its splits so (attention.cu), and the argmax
+     * of a long row its slices' bests (argmax.cu). The device and the kernels' code are sm_90
+     * or newer, and QWENCUDA_CLUSTERS is not "0" at creation (to compare) */
     int clusters;
     /* decode GEMV blocks copy their weight rows into shared memory before qc_grid_start
      * (qc_copy_to_shared), where a grid is one wave: QWENCUDA_WEIGHTS_SHARED is not "0" at
