@@ -87,7 +87,7 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restri
  * also quantizes it (qc_q8_quantize_block: qc_quantize_q8_kernel's bits) into act_qs, act_ds for
  * the down projection (matmul.cu reads it through cu->q8x_of). Why: that quantize was a launch of
  * its own after every gate/up, a kernel boundary and a pass through L2 a layer; a 0.5B decode
- * step went from 1601-1608 to 1622-1640 tok/s on the H100 (bench/results, 20261124 report).
+ * step went from 1601-1608 to 1622-1640 tok/s on the H100 (bench/results/20261124-48c3e59-*).
  * Where it is taken (swiglu_q8out_takes): two blocks an SM hold 64 registers a thread, which the
  * 256-element formats exceed (Q4_K, Q6_K spilled), and the grid must be one wave of them: the
  * 1.5B (8960 rows, Q4_K) and 7B (18944) decoded 1.7% and 5.6% slower with it. */
