@@ -117,20 +117,27 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
 /* The same splits, merged without a round trip through global memory (sm_90 thread-block
  * clusters): the QC_ATT_SPLITS splits of a (head, token) are the QC_ATT_CLUSTER blocks of one
  * cluster, QC_ATT_CLUSTER_SPLITS splits a block (QC_ATT_SPLIT_THREADS threads each, computing
- * exactly what the split kernel's blocks do). Each leaves its partial in its shared memory; after
- * a cluster barrier block 0 reads them all there (distributed shared memory) and merges them
- * with qc_att_merge_splits; a second barrier keeps the others' shared memory alive until then.
+ * exactly what the split kernel's blocks do). Each block copies its splits' partials into block
+ * 0's shared memory (distributed shared memory), arrives at the cluster barrier and leaves;
+ * block 0 waits there for all of them and merges the partials from its own shared memory with
+ * qc_att_merge_splits.
  * Why: the split kernel's merge is a chain of L2 round trips (the partial's write and fence,
  * the counter's atomic, the partials' reads) after the keys; a decode step runs it once a
- * layer. Same bits as the split kernel (the persistent decode kernel's). */
+ * layer. An earlier form left each partial in its own block, so block 0 read 32 splits' values
+ * across the cluster and every block waited at a second barrier until it had: %globaltimer
+ * stamps of a 0.5B step on the H100 put 1.3 us on that merge and 0.6 us on the second barrier
+ * (bench/results/20261124-d82da0b-*). Same bits as the split kernel (the persistent decode
+ * kernel's): the same partials, merged in the same order. */
 #define QC_ATT_CLUSTER_SPLITS 4
 #define QC_ATT_CLUSTER (QC_ATT_SPLITS / QC_ATT_CLUSTER_SPLITS)   /* 8: the portable most */
 static_assert(QC_ATT_SPLITS % QC_ATT_CLUSTER_SPLITS == 0 && QC_ATT_CLUSTER <= 8, "a portable cluster");
 
-/* Floats of the cluster kernel's dynamic shared memory: per split, its groups' publish area
- * (qc_att_split_partial's pub), then the splits' partials. */
+/* Floats of the cluster kernel's dynamic shared memory: per split of the block, its groups'
+ * publish area (qc_att_split_partial's pub), then a partial for every split of the cluster
+ * (block b's own at splits 4b .. 4b + 3; block 0 receives them all). */
 static inline size_t qc_att_cluster_floats(int G, int head_dim) {
-    return (size_t)QC_ATT_CLUSTER_SPLITS * ((size_t)(QC_ATT_SPLIT_THREADS / G) * (2 + head_dim) + head_dim + 2);
+    return (size_t)QC_ATT_CLUSTER_SPLITS * (size_t)(QC_ATT_SPLIT_THREADS / G) * (2 + head_dim) +
+           (size_t)QC_ATT_SPLITS * (head_dim + 2);
 }
 
 template <int G, typename KV, int HD>
@@ -143,27 +150,35 @@ qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ 
     extern __shared__ float smem[];
     __shared__ float weight[32];
     constexpr int pub_floats = (QC_ATT_SPLIT_THREADS / G) * (2 + HD);
+    constexpr int mine_floats = QC_ATT_CLUSTER_SPLITS * (HD + 2);   /* a block's partials */
     const int h = blockIdx.x, t = blockIdx.z;
     const int sub = threadIdx.x / QC_ATT_SPLIT_THREADS, tid = threadIdx.x % QC_ATT_SPLIT_THREADS;
     const int split = blockIdx.y * QC_ATT_CLUSTER_SPLITS + sub;
-    float *parts = smem + QC_ATT_CLUSTER_SPLITS * pub_floats;   /* this block's partials, split by split */
+    cg::cluster_group cluster = cg::this_cluster();
+    const unsigned rank = cluster.block_rank();
+    float *parts = smem + QC_ATT_CLUSTER_SPLITS * pub_floats;   /* every split's partial, split by split */
+    /* barrier phase 1, arrival: this block has started (another block may write into block 0's
+     * shared memory only once block 0 runs, so every block waits for phase 1 before it does) */
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     const int last = pos[t];
     qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, h, split, QC_ATT_SPLITS, n_head, n_head_kv, HD, tid);
     qc_grid_start();
     qc_att_split_partial<G, KV, true>(q, k_cache, v_cache, last, h, split, QC_ATT_SPLITS, t, n_head, n_head_kv, HD,
-                                      scale, parts + sub * (HD + 2), smem + sub * pub_floats, tid);
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();   /* every partial written, and visible to the cluster */
-    if (cluster.block_rank() == 0) {
-        const int64_t pair = (int64_t)t * n_head + h;
-        qc_att_merge_splits(
-            [&](int s, int i) {
-                return cluster.map_shared_rank(parts, s / QC_ATT_CLUSTER_SPLITS)[(s % QC_ATT_CLUSTER_SPLITS) * (HD + 2) + i];
-            },
-            QC_ATT_SPLITS, HD, out + pair * HD, weight, out_qs ? out_qs + pair * HD : nullptr,
-            out_ds ? out_ds + pair * HD / 32 : nullptr);
+                                      scale, parts + split * (HD + 2), smem + sub * pub_floats, tid);
+    __syncthreads();   /* this block's partials complete */
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (rank != 0) {
+        float *mine = parts + rank * mine_floats, *to = cluster.map_shared_rank(mine, 0);
+        for (int i = threadIdx.x; i < mine_floats; i += blockDim.x) to[i] = mine[i];
     }
-    cluster.sync();   /* block 0 has read every block's partials */
+    /* phase 2: the partials written and visible to block 0 (release, acquire); nothing reads the
+     * other blocks' shared memory, so they leave */
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    if (rank != 0) return;
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    const int64_t pair = (int64_t)t * n_head + h;
+    qc_att_merge_splits([&](int s, int i) { return parts[s * (HD + 2) + i]; }, QC_ATT_SPLITS, HD, out + pair * HD,
+                        weight, out_qs ? out_qs + pair * HD : nullptr, out_ds ? out_ds + pair * HD / 32 : nullptr);
 #endif
 }
 
