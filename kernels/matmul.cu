@@ -107,7 +107,9 @@ __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t block
 /* One row x normalised (rmsnorm's bits: qc_norm_row_scale, then x * scale * w) and quantized:
  * every block computes the row's scale (cheap, and the same bits in each) and normalises and
  * quantizes its QC_GEMV_WARPS blocks of 32, one per warp. Many blocks, so the decode's fused
- * norm costs about a launch, not a pass of every GEMV block over the row. */
+ * norm costs about a launch, not a pass of every GEMV block over the row.
+ * LAUNCH_NEXT: the next kernel launches before this one's wait (qc_grid_launch_next). */
+template <bool LAUNCH_NEXT>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict__ norm_w, int cols,
                            float eps, int8_t *qs, float2 *ds) {
@@ -119,6 +121,7 @@ qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict_
     /* the chain is latency: the norm weight (no kernel writes it) is loaded before the wait,
      * and this lane's x value beside the scale's loads, not after the scale */
     const float w = mine ? __ldg(norm_w + i) : 0.0f;
+    if (LAUNCH_NEXT) qc_grid_launch_next();
     qc_grid_start();
     const float xi = mine ? __ldcg(x + i) : 0.0f;
     const float scale = qc_norm_row_scale(x, cols, eps, norm_tmp);
@@ -145,15 +148,19 @@ int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_
 }
 
 int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w, int64_t cols,
-                             float eps, qc_q8x *out) {
+                             float eps, qc_q8x *out, int launch_next) {
     qc_cuda *cu = qc_cuda_of(be);
     if (cols % 32 != 0 || cols > QC_NORM_FUSE_MAX_COLS)
         return qc_cuda_value_error(be, "norm_quantize_q8: %lld columns", (long long)cols);
     int8_t *qs = (int8_t *)cu->q8x;
     float2 *ds = qc_q8x_ds_at(cu->q8x, 1, cols);
     const unsigned blocks = (unsigned)((cols / 32 + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS);
-    qc_launch(cu, qc_norm_quantize_q8_kernel, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols, eps,
-              qs, ds);
+    if (launch_next)
+        qc_launch(cu, qc_norm_quantize_q8_kernel<true>, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols,
+                  eps, qs, ds);
+    else
+        qc_launch(cu, qc_norm_quantize_q8_kernel<false>, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols,
+                  eps, qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
     cu->q8x_of = NULL;
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");

@@ -244,11 +244,17 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     if (blocks > INT32_MAX)
         return qc_cuda_value_error(be, "matmul_swiglu: %lld rows is too many", (long long)rows);
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n));
+    /* one token, gate and up of one 32-element 8-bit type, one wave: the 32-row kernel */
+    const int q8out = gate_q8 && swiglu_q8out_takes(cu, w_gate, w_up, n);
     /* the 8-bit weights' x, normalised and quantized once here; the blocks normalise in shared
-     * memory only for a float-GEMV weight */
+     * memory only for a float-GEMV weight. Before the 32-row kernel the norm lets it launch at
+     * once (qc_grid_launch_next): its blocks are then placed and copy their rows while the o
+     * projection before the norm still runs. On the H100, real file, that decoded 1720-1736 ->
+     * 1745-1757 tok/s at 512 keys, 1544-1555 -> 1555-1558 at 2560 (bench/results, this change's
+     * report). */
     qc_q8x xq = {};
     if (gate_q8 || up_q8) {
-        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq)
+        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq, q8out)
                     : qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq)) < 0)
             return -1;
         if (gate_q8 && up_q8) norm_w = NULL;
@@ -257,7 +263,7 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
         launch_swiglu_mixed(w_gate, gate_q8, w_up, up_q8, x, xq, n, norm_w, eps, act, grid, cu);
         return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");
     }
-    if (gate_q8 && swiglu_q8out_takes(cu, w_gate, w_up, n)) {
+    if (q8out) {
         /* one token: act's 8-bit form too, for the down projection (matmul.cu, x_from_last_op) */
         const int64_t rb = qc_row_bytes(w_gate->type, w_gate->cols);
         int8_t *act_qs = (int8_t *)cu->q8x_act;

@@ -206,12 +206,27 @@ __device__ __forceinline__ float qc_silu_mul(float g, float u) {
  * graph before it has finished). It may ask L2 for any line (qc_prefetch_line_l2:
  * a hint that returns no value, and L2 is where every write lands), such as the weights
  * (qc_gemv_prefetch) or the KV rows a split attention block will read. qc_grid_start
- * then lets the next kernel launch, so at most two grids of a stream are in flight. Without
- * PDL (older GPUs, kernels built for them, QWENCUDA_PDL=0, the cooperative persistent kernel)
- * it costs nothing: the wait of a grid launched without the attribute returns at once. */
+ * then lets the next kernel launch, so at most two grids of a stream are in flight, except
+ * after a kernel that lets it launch before its own wait (qc_grid_launch_next). Without PDL
+ * (older GPUs, kernels built for them, QWENCUDA_PDL=0, the cooperative persistent kernel) it
+ * costs nothing: the wait of a grid launched without the attribute returns at once. */
 __device__ __forceinline__ void qc_grid_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* Let the next kernel launch now, before this one's qc_grid_start: for a short kernel whose
+ * successor needs the time to be placed and to fetch its weights (the feed-forward norm before
+ * the one-wave gate/up kernel, matmul_swiglu.cu). Three grids are then in flight; each still
+ * waits in qc_grid_start for the one before it, which finishes only after its own wait, so the
+ * order of their reads and writes is unchanged. Elsewhere it was slower: after the attention
+ * norm, the q/k/v kernel's blocks came 21 us a step earlier but the attention's clusters after
+ * it were placed late, -1% at 512 keys and -5% at 2560; in every kernel, -3% at 2560
+ * (bench/results/20261124-d82da0b-*, and the report of the change that added this). */
+__device__ __forceinline__ void qc_grid_launch_next() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
