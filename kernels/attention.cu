@@ -126,8 +126,9 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
  * layer. An earlier form left each partial in its own block, so block 0 read 32 splits' values
  * across the cluster and every block waited at a second barrier until it had: %globaltimer
  * stamps of a 0.5B step on the H100 put 1.3 us on that merge and 0.6 us on the second barrier
- * (bench/results/20261124-d82da0b-*). Same bits as the split kernel (the persistent decode
- * kernel's): the same partials, merged in the same order. */
+ * (bench/results/20261124-d82da0b-*); this form took the attention's share of a real-file step
+ * from 133.5 to 116.9 us (20261124-550e506-*, addendum). Same bits as the split kernel (the
+ * persistent decode kernel's): the same partials, merged in the same order. */
 #define QC_ATT_CLUSTER_SPLITS 4
 #define QC_ATT_CLUSTER (QC_ATT_SPLITS / QC_ATT_CLUSTER_SPLITS)   /* 8: the portable most */
 static_assert(QC_ATT_SPLITS % QC_ATT_CLUSTER_SPLITS == 0 && QC_ATT_CLUSTER <= 8, "a portable cluster");

@@ -250,8 +250,8 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
      * memory only for a float-GEMV weight. Before the 32-row kernel the norm lets it launch at
      * once (qc_grid_launch_next): its blocks are then placed and copy their rows while the o
      * projection before the norm still runs. On the H100, real file, that decoded 1720-1736 ->
-     * 1745-1757 tok/s at 512 keys, 1544-1555 -> 1555-1558 at 2560 (bench/results, this change's
-     * report). */
+     * 1745-1757 tok/s at 512 keys, 1544-1555 -> 1555-1558 at 2560
+     * (bench/results/20261124-550e506-*, addendum). */
     qc_q8x xq = {};
     if (gate_q8 || up_q8) {
         if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq, q8out)

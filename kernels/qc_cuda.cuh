@@ -224,7 +224,7 @@ __device__ __forceinline__ void qc_grid_start() {
  * order of their reads and writes is unchanged. Elsewhere it was slower: after the attention
  * norm, the q/k/v kernel's blocks came 21 us a step earlier but the attention's clusters after
  * it were placed late, -1% at 512 keys and -5% at 2560; in every kernel, -3% at 2560
- * (bench/results/20261124-d82da0b-*, and the report of the change that added this). */
+ * (bench/results/20261124-d82da0b-*; 20261124-550e506-*, addendum). */
 __device__ __forceinline__ void qc_grid_launch_next() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -240,7 +240,11 @@ __device__ __forceinline__ void qc_grid_launch_next() {
  * its rows from L2 (the gate/up kernel's 152 blocks move 5.9 MB at once). What it gave there:
  * the gate/up, o and down kernels' share of a real-file step fell 232 -> 193 us, but the
  * norm-and-quantize kernels after them grew 95 -> 120 us, and the step is even with the build
- * before within noise; it stays for when those norms are folded away.
+ * before within noise. Folding those norms into the GEMVs was slower both ways tried (each block
+ * of the q/k/v and gate/up kernels normalising for itself, -6%; the o projection's last block
+ * normalising for the gate/up kernel, -11%: bench/results/20261124-550e506-*, addendum); what
+ * paid was the feed-forward norm launching the gate/up kernel early (qc_grid_launch_next), whose
+ * copies then run under the o projection.
  * qc_copy_to_shared copies global bytes [src, src + bytes) to shared memory at dst + (src % 16),
  * which it returns (the same 16-byte phase, so 16-byte copies line up; dst is 16-byte aligned
  * with bytes + 16 of room), by the block's threads: cp.async (sm_80+, no register holds the bytes)
