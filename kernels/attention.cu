@@ -156,7 +156,7 @@ qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ 
     const int sub = threadIdx.x / QC_ATT_SPLIT_THREADS, tid = threadIdx.x % QC_ATT_SPLIT_THREADS;
     const int split = blockIdx.y * QC_ATT_CLUSTER_SPLITS + sub;
     cg::cluster_group cluster = cg::this_cluster();
-    const unsigned rank = cluster.block_rank();
+    const unsigned rank = cluster.block_rank();   /* = blockIdx.y: the cluster spans the grid's y */
     float *parts = smem + QC_ATT_CLUSTER_SPLITS * pub_floats;   /* every split's partial, split by split */
     /* barrier phase 1, arrival: this block has started (another block may write into block 0's
      * shared memory only once block 0 runs, so every block waits for phase 1 before it does) */
@@ -169,6 +169,7 @@ qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ 
     __syncthreads();   /* this block's partials complete */
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
     if (rank != 0) {
+        /* where qc_att_split_partial left them: splits 4 rank .. 4 rank + 3 */
         float *mine = parts + rank * mine_floats, *to = cluster.map_shared_rank(mine, 0);
         for (int i = threadIdx.x; i < mine_floats; i += blockDim.x) to[i] = mine[i];
     }

@@ -155,12 +155,8 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
     int8_t *qs = (int8_t *)cu->q8x;
     float2 *ds = qc_q8x_ds_at(cu->q8x, 1, cols);
     const unsigned blocks = (unsigned)((cols / 32 + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS);
-    if (launch_next)
-        qc_launch(cu, qc_norm_quantize_q8_kernel<true>, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols,
-                  eps, qs, ds);
-    else
-        qc_launch(cu, qc_norm_quantize_q8_kernel<false>, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols,
-                  eps, qs, ds);
+    qc_launch(cu, launch_next ? qc_norm_quantize_q8_kernel<true> : qc_norm_quantize_q8_kernel<false>, dim3(blocks),
+              dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols, eps, qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
     cu->q8x_of = NULL;
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
