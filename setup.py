@@ -103,6 +103,9 @@ class BuildExt(build_ext):
                   f"set QWENCUDA_CUDA_ARCHS to choose)")
             objects = self.compile_cuda(nvcc, cuda_home, sass, ptx, debug)
             ext.extra_objects = objects
+            # and relink when one was rebuilt: setuptools relinks only for a source or a
+            # dependency newer than the module, and an edit of a kernel alone left the old one
+            ext.depends = list(ext.depends) + objects
             ext.define_macros += [("QC_HAVE_CUDA", "1"),
                                   ("QC_CUDA_ARCHS", '"%s"' % built),
                                   ("QC_CUDA_VERSION", '"%s"' % version)]
