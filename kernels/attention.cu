@@ -141,12 +141,25 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim) {
            (size_t)QC_ATT_SPLITS * (head_dim + 2);
 }
 
+/* Keys held in registers before the wait: the K and V rows of the keys before the eval's
+ * positions were written by earlier evals, not by any kernel of this one (only its new keys' rows
+ * are: the q/k/v kernel just before), and every kernel before the q/k/v kernel has finished when
+ * this one launches (the q/k/v kernel lets it launch only after its own wait). So each group
+ * loads the rows of its first QC_ATT_HELD keys (of every 256 at head_dim 64: all of them up to
+ * 512 keys) while the q/k/v kernel still runs, and after the wait its loop starts with them
+ * instead of with a round trip to L2. H100, real 0.5B file, one lease (bench/results/20261124-*,
+ * the held keys' addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512 keys and
+ * 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a thread) -3.5%;
+ * a copy of every staged key into 96 KB of shared memory -4% (the blocks were placed later).
+ * QWENCUDA_ATTENTION_STAGE=0 holds none, to compare: the same bits. */
+#define QC_ATT_HELD 2
+
 template <int G, typename KV, int HD>
 __global__ void __launch_bounds__(QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS)
 qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
                             const KV *__restrict__ v_cache, const int32_t *__restrict__ pos, int n_head,
                             int n_head_kv, float scale, float *__restrict__ out, int8_t *__restrict__ out_qs,
-                            float2 *__restrict__ out_ds) {
+                            float2 *__restrict__ out_ds, int hold) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ float smem[];
     __shared__ float weight[32];
@@ -162,10 +175,18 @@ qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ 
      * shared memory only once block 0 runs, so every block waits for phase 1 before it does) */
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     const int last = pos[t];
-    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, h, split, QC_ATT_SPLITS, n_head, n_head_kv, HD, tid);
+    /* the keys below every position of the eval (its tokens' new keys are at them) */
+    int before = hold ? last : 0;
+    for (int u = 0; u < (int)gridDim.z; u++) before = min(before, pos[u]);
+    qc_att_held<KV, QC_ATT_HELD> held;
+    qc_att_held_load<G, KV, QC_ATT_HELD>(held, k_cache, v_cache, before, h, split, QC_ATT_SPLITS, n_head, n_head_kv,
+                                         HD, tid);
+    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, h, split, QC_ATT_SPLITS, n_head, n_head_kv, HD, tid,
+                                hold ? QC_ATT_HELD : 0);
     qc_grid_start();
-    qc_att_split_partial<G, KV, true>(q, k_cache, v_cache, last, h, split, QC_ATT_SPLITS, t, n_head, n_head_kv, HD,
-                                      scale, parts + split * (HD + 2), smem + sub * pub_floats, tid);
+    qc_att_split_partial<G, KV, true, QC_ATT_HELD>(q, k_cache, v_cache, last, h, split, QC_ATT_SPLITS, t, n_head,
+                                                   n_head_kv, HD, scale, parts + split * (HD + 2),
+                                                   smem + sub * pub_floats, tid, &held);
     __syncthreads();   /* this block's partials complete */
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
     if (rank != 0) {
@@ -195,7 +216,7 @@ static void launch_cluster(int G, int head_dim, dim3 grid, const qc_cuda *cu, co
     const dim3 block(QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS), cluster(1, QC_ATT_CLUSTER, 1);
     grid.y = QC_ATT_CLUSTER;
     const size_t smem = qc_att_cluster_floats(G, head_dim) * sizeof(float);
-#define QC_CLUSTER_ARGS_ q, k_cache, v_cache, pos, n_head, n_head_kv, scale, out, out_qs, out_ds
+#define QC_CLUSTER_ARGS_ q, k_cache, v_cache, pos, n_head, n_head_kv, scale, out, out_qs, out_ds, cu->att_stage
     if (head_dim == 64) qc_launch_ex(cu, qc_attention_cluster_kernel<16, KV, 64>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
     else qc_launch_ex(cu, qc_attention_cluster_kernel<32, KV, 128>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
 #undef QC_CLUSTER_ARGS_

@@ -230,15 +230,41 @@ __device__ __forceinline__ qc_att_share qc_att_share_of(int h, int split, int sp
 template <int G, typename KV>
 __device__ __forceinline__ void qc_att_prefetch_keys(const KV *k_cache, const KV *v_cache, int last_key, int h,
                                                      int split, int splits, int n_head, int n_head_kv,
-                                                     int head_dim, int tid) {
+                                                     int head_dim, int tid, int skip = 0) {
     const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv, tid);
     const int64_t kv_dim = (int64_t)n_head_kv * head_dim;
     const int row_bytes = head_dim * (int)sizeof(KV), lane = tid % G;
-    for (int j = sh.first; j <= last_key; j += sh.stride)
+    /* (skip: the first keys, which the caller loads itself) */
+    for (int j = sh.first + skip * sh.stride; j <= last_key; j += sh.stride)
         for (int b = 128 * lane; b < row_bytes; b += 128 * G) {
             qc_prefetch_line_l2((const char *)(k_cache + j * kv_dim + (int64_t)sh.kvh * head_dim) + b);
             qc_prefetch_line_l2((const char *)(v_cache + j * kv_dim + (int64_t)sh.kvh * head_dim) + b);
         }
+}
+
+/* A group's first R keys of a split (qc_att_share's first, first + stride, ...) that are below
+ * `end`, their K and V rows (this lane's dimensions) loaded into registers before qc_grid_start
+ * by qc_att_held_load: keys that no kernel of the eval writes (below every position it computes;
+ * attention.cu's cluster kernel says why it may read them then). R = 0: none. */
+template <typename KV, int R>
+struct qc_att_held {
+    KV k[R > 0 ? R : 1][QC_ATT_MAXD], v[R > 0 ? R : 1][QC_ATT_MAXD];
+    int end = 0;
+};
+template <int G, typename KV, int R>
+__device__ __forceinline__ void qc_att_held_load(qc_att_held<KV, R> &held, const KV *k_cache, const KV *v_cache,
+                                                 int end, int h, int split, int splits, int n_head, int n_head_kv,
+                                                 int head_dim, int tid) {
+    const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv, tid);
+    const int kv_dim = n_head_kv * head_dim;
+    held.end = end;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int j = sh.first + r * sh.stride;
+        if (j < end)
+            qc_att_load_kv<G, KV>(k_cache + (int64_t)sh.kvh * head_dim, v_cache + (int64_t)sh.kvh * head_dim, j, kv_dim,
+                                  head_dim, tid % G, held.k[r], held.v[r]);
+    }
 }
 
 /* Split `split` of (head h, token t) of a split-K decode attention, by QC_ATT_SPLIT_THREADS
@@ -246,12 +272,14 @@ __device__ __forceinline__ void qc_att_prefetch_keys(const KV *k_cache, const KV
  * then every splits * groups keys up to last_key, merged into one unnormalised partial
  * (m, l, acc[head_dim]) in mine (global or shared memory). pub: groups * (2 + head_dim) floats
  * of shared memory for this split's groups. Every thread of the block calls it (it synchronises
- * the block). AHEAD: qc_att_keys. */
-template <int G, typename KV, bool AHEAD>
+ * the block). AHEAD: qc_att_keys. held (R > 0): the group's first keys from registers
+ * (qc_att_held_load), the rest from the cache; the same keys in the same order, the same bits. */
+template <int G, typename KV, bool AHEAD, int R = 0>
 __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k_cache, const KV *v_cache,
                                                      int last_key, int h, int split, int splits, int t,
                                                      int n_head, int n_head_kv, int head_dim, float scale,
-                                                     float *mine, float *pub, int tid) {
+                                                     float *mine, float *pub, int tid,
+                                                     const qc_att_held<KV, R> *held = nullptr) {
     const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv, tid);
     const int kv_dim = n_head_kv * head_dim;
     const int lane = tid % G, group = tid / G, groups = QC_ATT_SPLIT_THREADS / G;
@@ -260,8 +288,18 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
     qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
     float m = -INFINITY, l = 0.0f;
+    int first = sh.first;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (first < held->end) {
+            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(held->k[r][i]); },
+                          [&](int i) { return qc_kv_float(held->v[r][i]); }, first, head_dim, scale, gmask, lane,
+                          nullptr, 0, m, l, acc);
+            first += sh.stride;
+        }
+    }
     qc_att_keys<G, KV, AHEAD>(qr, k_cache + (int64_t)sh.kvh * head_dim, v_cache + (int64_t)sh.kvh * head_dim,
-                       kv_dim, head_dim, scale, sh.first, sh.stride, last_key, gmask, lane, nullptr, 0, m, l, acc);
+                       kv_dim, head_dim, scale, first, sh.stride, last_key, gmask, lane, nullptr, 0, m, l, acc);
 
     /* a split with no keys (short contexts) leaves m = -inf, l = 0: the merge skips it */
     const float M = qc_att_publish<G>(pub, group, groups, lane, head_dim, m, l, acc);
