@@ -151,7 +151,7 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim) {
  * 20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
  * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
  * thread) -3.5%; a copy of the keys into 96 KB of shared memory -4% (the blocks placed later).
- * QWENCUDA_ATTENTION_STAGE=0 holds none, to compare: the same bits. */
+ * QWENCUDA_ATTENTION_HOLD=0 holds none, to compare: the same bits. */
 #define QC_ATT_HELD 2
 
 template <int G, typename KV, int HD>
@@ -216,7 +216,7 @@ static void launch_cluster(int G, int head_dim, dim3 grid, const qc_cuda *cu, co
     const dim3 block(QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS), cluster(1, QC_ATT_CLUSTER, 1);
     grid.y = QC_ATT_CLUSTER;
     const size_t smem = qc_att_cluster_floats(G, head_dim) * sizeof(float);
-#define QC_CLUSTER_ARGS_ q, k_cache, v_cache, pos, n_head, n_head_kv, scale, out, out_qs, out_ds, cu->att_stage
+#define QC_CLUSTER_ARGS_ q, k_cache, v_cache, pos, n_head, n_head_kv, scale, out, out_qs, out_ds, cu->att_hold
     if (head_dim == 64) qc_launch_ex(cu, qc_attention_cluster_kernel<16, KV, 64>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
     else qc_launch_ex(cu, qc_attention_cluster_kernel<32, KV, 128>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
 #undef QC_CLUSTER_ARGS_

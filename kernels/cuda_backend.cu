@@ -415,11 +415,11 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
          * the argmax's thread-block clusters (attention.cu, argmax.cu), and the decode GEMVs'
          * weight copies to shared memory (qc_copy_to_shared), and the attention's keys loaded
          * before its wait (attention.cu, QC_ATT_HELD): QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0,
-         * QWENCUDA_WEIGHTS_SHARED=0 and QWENCUDA_ATTENTION_STAGE=0 turn them off */
+         * QWENCUDA_WEIGHTS_SHARED=0 and QWENCUDA_ATTENTION_HOLD=0 turn them off */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
         cu->w_shared = sm90 && env_on("QWENCUDA_WEIGHTS_SHARED");
-        cu->att_stage = env_on("QWENCUDA_ATTENTION_STAGE");
+        cu->att_hold = env_on("QWENCUDA_ATTENTION_HOLD");
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

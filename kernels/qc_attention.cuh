@@ -234,7 +234,7 @@ __device__ __forceinline__ void qc_att_prefetch_keys(const KV *k_cache, const KV
     const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv, tid);
     const int64_t kv_dim = (int64_t)n_head_kv * head_dim;
     const int row_bytes = head_dim * (int)sizeof(KV), lane = tid % G;
-    /* (skip: the first keys, which the caller loads itself) */
+    /* (skip: the first keys, which the caller loads itself, or the eval wrote: then in L2) */
     for (int j = sh.first + skip * sh.stride; j <= last_key; j += sh.stride)
         for (int b = 128 * lane; b < row_bytes; b += 128 * G) {
             qc_prefetch_line_l2((const char *)(k_cache + j * kv_dim + (int64_t)sh.kvh * head_dim) + b);

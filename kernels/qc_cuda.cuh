@@ -83,8 +83,8 @@ typedef struct qc_cuda {
      * creation (to compare) */
     int w_shared;
     /* the split-K cluster kernel loads its groups' first keys into registers before the wait
-     * (attention.cu): QWENCUDA_ATTENTION_STAGE is not "0" at creation (to compare) */
-    int att_stage;
+     * (attention.cu): QWENCUDA_ATTENTION_HOLD is not "0" at creation (to compare) */
+    int att_hold;
     /* download_start's copies (backend.h): QC_DOWNLOAD_TICKETS slots of pinned host memory,
      * QC_DOWNLOAD_AHEAD_BYTES each, and the event after each slot's copy; made at the first
      * download_start. The next copy takes slot next_ticket % QC_DOWNLOAD_TICKETS. */

@@ -243,13 +243,13 @@ def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
     (those before every position of the eval) into registers before they wait for the q/k/v
     kernel, and start their loop with them (kernels/attention.cu: QC_ATT_HELD); later keys, and
     the eval's own new keys, come from the cache. Same keys, same order, so the logits must be
-    bit-equal to a backend made with QWENCUDA_ATTENTION_STAGE=0 (every key from the cache). A
+    bit-equal to a backend made with QWENCUDA_ATTENTION_HOLD=0 (every key from the cache). A
     held key that was another key, or one that this eval writes, would differ: a short eval of
     3 tokens (each with the others' new keys past its own position) and steps after it, at 21
     keys (fewer than a group each), 600 (head_dim 64: two or three keys a group, two held) and
     1600 (head_dim 128: 12 or 13 a group, two held). Taken on sm_90+ only (clusters)."""
     if qwencuda.kernels.cuda_device_info(0)["compute_capability"] < (9, 0):
-        pytest.skip("the staged keys are taken on sm_90+ only")
+        pytest.skip("the held keys are taken on sm_90+ only")
     path = synth(synth_dir, config, "q8_0")
     ids = [int(t) for t in _ids(n_prompt + 12, 400, seed=29)]
 
@@ -259,9 +259,9 @@ def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
             out = [s.prefill(ids[n_prompt:n_prompt + 3], logits="all").logits]
             return out + [s.step(t).logits for t in ids[n_prompt + 3:]]
 
-    monkeypatch.setenv("QWENCUDA_ATTENTION_STAGE", "0")
+    monkeypatch.setenv("QWENCUDA_ATTENTION_HOLD", "0")
     plain = run()
-    monkeypatch.delenv("QWENCUDA_ATTENTION_STAGE")
+    monkeypatch.delenv("QWENCUDA_ATTENTION_HOLD")
     for a, b in zip(run(), plain):
         np.testing.assert_array_equal(a, b)
 
