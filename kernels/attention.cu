@@ -150,7 +150,8 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim) {
  * instead of with a round trip to L2. H100, real 0.5B file, one lease (bench/results/
  * 20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
  * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
- * thread) -3.5%; a copy of the keys into 96 KB of shared memory -4% (the blocks placed later).
+ * thread) -3.5%; a copy of the keys into 96 KB of shared memory 1669-1686 tok/s at 512 keys,
+ * against 1750 before it in the session's other leases (the blocks placed later).
  * QWENCUDA_ATTENTION_HOLD=0 holds none, to compare: the same bits. */
 #define QC_ATT_HELD 2
 
