@@ -300,6 +300,23 @@ static void cu_destroy(qc_backend *be) {
     free(be);
 }
 
+/* read_ahead (backend.h): the hint waits in cu->ahead for the next matmul or matmul_add. One that
+ * adds up to more than a quarter of L2 is dropped: its lines would evict one another, and the
+ * step's activations and keys, before their op reads them. */
+static int cu_read_ahead(qc_backend *be, const qc_weight *const *w, int n) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (n < 0 || n > QC_READ_AHEAD_MAX) return qc_cuda_value_error(be, "read_ahead: %d weights (0..%d)", n, QC_READ_AHEAD_MAX);
+    cu->ahead = qc_l2_ahead{};
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += (int64_t)w[i]->nbytes;
+    if (!cu->read_ahead || total > (int64_t)cu->l2_bytes / 4) return 0;
+    for (int i = 0; i < n; i++) {
+        cu->ahead.p[i] = (const uint8_t *)w[i]->data;
+        cu->ahead.bytes[i] = (int64_t)w[i]->nbytes;
+    }
+    return 0;
+}
+
 /* Filled by name, so that the table follows backend.h whatever the order of its members. */
 static qc_backend_ops make_cuda_ops(void) {
     qc_backend_ops ops = {};
@@ -324,6 +341,7 @@ static qc_backend_ops make_cuda_ops(void) {
     ops.download_finish = cu_download_finish;
     ops.decode_step_takes = cu_decode_step_takes;
     ops.decode_step = on_device<int(qc_backend *, const qc_decode_plan *)>::run<qc_cuda_decode_step>;
+    ops.read_ahead = cu_read_ahead;
     return ops;
 }
 
@@ -380,6 +398,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     }
     QC_CREATE_CHECK(cudaSetDevice(device));
     QC_CREATE_CHECK(cudaDeviceGetAttribute(&cu->sm_count, cudaDevAttrMultiProcessorCount, device));
+    QC_CREATE_CHECK(cudaDeviceGetAttribute(&cu->l2_bytes, cudaDevAttrL2CacheSize, device));
     QC_CREATE_CHECK(cudaStreamCreateWithFlags(&cu->stream, cudaStreamNonBlocking));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_part, QC_ATT_PART_FLOATS * sizeof(float)));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->attn_done, QC_ATT_PAIRS * sizeof(unsigned int)));
@@ -414,12 +433,14 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         /* the op kernels as programmatic dependent launches (qc_cuda.cuh), the attention's and
          * the argmax's thread-block clusters (attention.cu, argmax.cu), and the decode GEMVs'
          * weight copies to shared memory (qc_copy_to_shared), and the attention's keys loaded
-         * before its wait (attention.cu, QC_ATT_HELD): QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0,
-         * QWENCUDA_WEIGHTS_SHARED=0 and QWENCUDA_ATTENTION_HOLD=0 turn them off */
+         * before its wait (attention.cu, QC_ATT_HELD), and read_ahead's hints (matmul.cu):
+         * QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0, QWENCUDA_WEIGHTS_SHARED=0,
+         * QWENCUDA_ATTENTION_HOLD=0 and QWENCUDA_READ_AHEAD=0 turn them off */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
         cu->w_shared = sm90 && env_on("QWENCUDA_WEIGHTS_SHARED");
         cu->att_hold = env_on("QWENCUDA_ATTENTION_HOLD");
+        cu->read_ahead = env_on("QWENCUDA_READ_AHEAD");
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

@@ -37,7 +37,7 @@ template <int T, int NT, int S, bool Q8, bool SH = false>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
                const float *__restrict__ x, const qc_q8x xq, int n, const float *__restrict__ bias,
-               const float *residual, float *out) {
+               const float *residual, float *out, const qc_l2_ahead ahead) {
     static_assert(S == 1 || S == QC_GEMV_WARPS, "a split row takes the whole block");
     static_assert(!SH || Q8, "the 8-bit GEMV reads a shared copy");
     __shared__ float slice_sum[S > 1 ? S : 1][NT];
@@ -59,6 +59,7 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
      * (written by kernels that have finished) right after it */
     const bool writer = lane == 0 && (S == 1 || warp == 0) && r < rows;
     const float b_r = writer && bias ? bias[r] : 0.0f;
+    qc_l2_ahead_issue(ahead);
     qc_grid_start();
     if constexpr (SH) qc_copy_wait();
     if (r >= rows) return;   /* whole warps (S = 1) or the whole block (S > 1) leave together */
@@ -164,13 +165,13 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
 
 template <int T, int S, bool Q8>
 static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
-                          int n, const float *residual, float *out, const qc_cuda *cu) {
+                          int n, const float *residual, float *out, const qc_l2_ahead &ahead, const qc_cuda *cu) {
     const int64_t rb = qc_row_bytes_t<T>(w->cols);
     const int64_t rows_per_block = QC_GEMV_WARPS / S;
     const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
     const dim3 block(32 * QC_GEMV_WARPS);
     const uint8_t *W = (const uint8_t *)w->data;
-#define QC_ARGS_ W, rb, w->rows, w->cols, x, xq, n, bias, residual, out
+#define QC_ARGS_ W, rb, w->rows, w->cols, x, xq, n, bias, residual, out, ahead
     /* one token, one wave of blocks: each block's rows into its shared memory before the wait */
     const size_t shared = qc_shared_copy_bytes(rows_per_block * rb);
     if constexpr (Q8) {
@@ -192,9 +193,9 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
 /* Q8: x quantized in xq (qc_gemv_q8.cuh; the types of QC_Q8_FOR_EACH_TYPE only). */
 template <int T, bool Q8>
 static void launch_gemv(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq, int n,
-                        const float *residual, float *out, const qc_cuda *cu) {
-    if (qc_gemv_split(w->cols) > 1) launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, cu);
-    else launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, cu);
+                        const float *residual, float *out, const qc_l2_ahead &ahead, const qc_cuda *cu) {
+    if (qc_gemv_split(w->cols) > 1) launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, ahead, cu);
+    else launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, ahead, cu);
 }
 
 /* out[n][rows] (ldc = rows, starting at row r0) = X[n][cols] @ A^T for A (m, cols); with
@@ -261,6 +262,9 @@ static int matmul_cublas(qc_backend *be, const qc_weight *w, const float *bias, 
 static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
                       const float *residual, float *out, int x_from_last_op) {
     qc_cuda *cu = qc_cuda_of(be);
+    /* read_ahead's hint is this call's to take (the GEMV's blocks issue it), and only this call's */
+    const qc_l2_ahead ahead = cu->ahead;
+    cu->ahead = qc_l2_ahead{};
     if (n <= 0 || w->rows <= 0) return 0;
     if (!qc_cuda_type_supported(w->type))
         return qc_cuda_value_error(be, "matmul: weight type %u is not supported by the CUDA backend", w->type);
@@ -281,14 +285,14 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
         else if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0)
             return -1;
         switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, cu); break;
+#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, ahead, cu); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
         }
         return QC_LAUNCHED(be, "qc_gemv_kernel");
     }
     switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, cu); break;
+#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, ahead, cu); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }

@@ -18,6 +18,13 @@
 
 #include "backend.h"
 
+/* Weights that a kernel asks L2 for while it waits (read_ahead, backend.h): bytes[i] of p[i],
+ * split between the kernel's blocks (qc_l2_ahead_issue); 0 bytes where none. */
+typedef struct qc_l2_ahead {
+    const uint8_t *p[QC_READ_AHEAD_MAX];
+    int64_t bytes[QC_READ_AHEAD_MAX];
+} qc_l2_ahead;
+
 /* Backend-private state (be->impl). */
 typedef struct qc_cuda {
     cudaStream_t stream;        /* every op and copy runs on it, in order */
@@ -85,6 +92,11 @@ typedef struct qc_cuda {
     /* the split-K cluster kernel loads its groups' first keys into registers before the wait
      * (attention.cu): QWENCUDA_ATTENTION_HOLD is not "0" at creation (to compare) */
     int att_hold;
+    /* read_ahead's hint (backend.h) for the next matmul or matmul_add (it takes it and clears it):
+     * QWENCUDA_READ_AHEAD is not "0" at creation (to compare); l2_bytes bounds the hint */
+    int read_ahead;
+    qc_l2_ahead ahead;
+    int l2_bytes;
     /* download_start's copies (backend.h): QC_DOWNLOAD_TICKETS slots of pinned host memory,
      * QC_DOWNLOAD_AHEAD_BYTES each, and the event after each slot's copy; made at the first
      * download_start. The next copy takes slot next_ticket % QC_DOWNLOAD_TICKETS. */
@@ -298,6 +310,25 @@ __device__ __forceinline__ void qc_prefetch_l2(const void *p, int64_t bytes) {
     const char *c = (const char *)((uintptr_t)p & ~(uintptr_t)127);
     const char *end = (const char *)p + bytes;
     for (c += 128 * (int64_t)threadIdx.x; c < end; c += 128 * (int64_t)blockDim.x) qc_prefetch_line_l2(c);
+}
+
+/* This block's share of the read-ahead weights into L2: a slice of each, whole lines, the grid's
+ * blocks together covering them. Before qc_grid_start (weights: no kernel writes them).
+ * Why: a 0.5B decode step's gate/up kernel copies its 6 MB of rows into shared memory from the
+ * moment it is placed, which is just before the feed-forward norm runs; %globaltimer stamps on
+ * the H100 put that norm's release 1.8 us after the o projection ended, where every other kernel
+ * waits 0.7 us. The o projection's 224 blocks are placed during the attention, whose loads leave
+ * HBM mostly idle: asked then, the rows are in L2 when the copies start. Real file, same-lease
+ * A/B in two leases: 1657-1674 -> 1682-1688 tok/s at 512 keys and 1497-1509 -> 1508-1519 at
+ * 2560; 1753-1755 -> 1775-1786 and 1551-1557 -> 1564-1573 (bench/results, 20261124-*). */
+__device__ __forceinline__ void qc_l2_ahead_issue(const qc_l2_ahead &a) {
+#pragma unroll
+    for (int k = 0; k < QC_READ_AHEAD_MAX; k++) {
+        const int64_t share = ((a.bytes[k] + gridDim.x - 1) / gridDim.x + 127) & ~(int64_t)127;
+        const int64_t begin = (int64_t)blockIdx.x * share;
+        if (blockIdx.y == 0 && begin < a.bytes[k])
+            qc_prefetch_l2(a.p[k] + begin, a.bytes[k] - begin < share ? a.bytes[k] - begin : share);
+    }
 }
 
 /* kernel<<<grid, block, smem, cu->stream>>>(args...), as a programmatic dependent launch where

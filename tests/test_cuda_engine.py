@@ -266,6 +266,30 @@ def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("config,weight_type", [("tiny-gqa7", "q4_k_m"), ("tiny-hd64", "q8_0"), ("tiny-hd128", "q5_0")])
+def test_read_ahead_changes_no_bit(synth_dir, config, weight_type, monkeypatch):
+    """The forward pass hints gate and up to the o projection (backend.h, read_ahead), whose
+    blocks ask L2 for them while they wait (kernels/matmul.cu, qc_l2_ahead_issue). A hint moves
+    bytes into the cache and changes no value, so prefill, a 3-token eval and decode steps must
+    give the logits of a backend made with QWENCUDA_READ_AHEAD=0 bit for bit. A hint that reached
+    the wrong kernel parameter (a pointer or a size in the place of another) would show here;
+    that the lines were fetched early shows only in the timing (bench/results, the report of the
+    commit)."""
+    path = synth(synth_dir, config, weight_type)
+    ids = [int(t) for t in _ids(40, 400, seed=31)]
+
+    def run():
+        with qwencuda.Model(path, device="cuda") as m, m.session(max_context=48) as s:
+            out = [s.prefill(ids[:21], logits="all").logits, s.prefill(ids[21:24], logits="all").logits]
+            return out + [s.step(t).logits for t in ids[24:]]
+
+    monkeypatch.setenv("QWENCUDA_READ_AHEAD", "0")
+    plain = run()
+    monkeypatch.delenv("QWENCUDA_READ_AHEAD")
+    for a, b in zip(run(), plain):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("config", ["tiny-hd64", "tiny-hd128"])
 @pytest.mark.parametrize("weight_type", ["q8_0", "q4_k_m"])
 def test_attention_hands_its_8bit_output_to_o(synth_dir, config, weight_type):

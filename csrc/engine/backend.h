@@ -72,6 +72,8 @@ static inline size_t qc_kv_type_size(int type) { return type == QC_KV_F16 ? 2 : 
 
 /* Most projections one matmul_multi call computes (q, k and v). */
 #define QC_MATMUL_MULTI_MAX 3
+/* Most weights one read_ahead hint names (gate and up). */
+#define QC_READ_AHEAD_MAX 2
 
 /* Largest token count that the CUDA backend's matmul serves with the batched GEMV kernels,
  * reading the stored blocks directly; above it, it dequantizes and calls cuBLAS. */
@@ -247,6 +249,13 @@ typedef struct qc_backend_ops {
      * session asks once per bucket. */
     int (*decode_step_takes)(qc_backend *be, const qc_decode_plan *plan, int n_kv);
     int (*decode_step)(qc_backend *be, const qc_decode_plan *plan);
+
+    /* ---- optional (NULL where unsupported): weights to read ahead ----
+     * read_ahead names the n (<= QC_READ_AHEAD_MAX) weights of an op after the next one; the next
+     * matmul or matmul_add takes the hint (CUDA, up to QC_GEMV_MAX_TOKENS tokens: its blocks ask
+     * L2 for those weights' bytes while they wait for their input) and clears it. A hint: no
+     * value changes, and a backend may drop it (CUDA: where the bytes are too many for L2). */
+    int (*read_ahead)(qc_backend *be, const qc_weight *const *w, int n);
 } qc_backend_ops;
 
 struct qc_backend {

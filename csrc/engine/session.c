@@ -1188,6 +1188,11 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     if (fuse_o) {
         const int att_from_last_op = !layer_wants(s, l, L_ATTN_SCORES) && !layer_wants(s, l, L_ATTN_PROBS) &&
                                      !layer_patched(s, l, L_ATTN_OUT);
+        /* while it waits for att, the projection's blocks ask the cache for gate and up (a hint) */
+        if (op->read_ahead) {
+            const qc_weight *const ahead[2] = {&L->w_gate, &L->w_up};
+            OP(op->read_ahead(be, ahead, 2));
+        }
         OP(op->matmul_add(be, &L->wo, sc->att, nc, sc->x, sc->x, att_from_last_op));
     } else {
         OP(op->matmul(be, &L->wo, NULL, sc->att, nc, sc->y));
