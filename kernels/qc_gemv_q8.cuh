@@ -110,6 +110,18 @@ __device__ __forceinline__ void qc_q8_x(const int8_t *qs, int64_t b, int (&x)[8]
     x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = c.x; x[5] = c.y; x[6] = c.z; x[7] = c.w;
 }
 
+/* The four bytes of v, each in [0, 2^(B+1)), minus 2^B as signed bytes: __vsub4(v, 2^B in every
+ * byte)'s value. A byte with bit B set keeps its low B bits; one without it is its low bits plus
+ * 256 - 2^B. The bits are disjoint, so the sum is one multiply-add and a mask, where __vsub4 has
+ * no sm_90 instruction and is emulated. The 0.5B decode GEMVs unpack every Q5_0 weight this way
+ * (16 weights a word pair): on the SMs that hold two gate/up blocks, that kernel's dot products
+ * were issue-bound (stamps: 2.9 us against 1.7 on the SMs with one; bench/results). */
+template <int B>
+__device__ __forceinline__ int qc_sub_bias4(uint32_t v) {
+    constexpr uint32_t ones = 0x01010101u, low = ones * ((1u << B) - 1u), fill = 0x100u - (1u << B);
+    return (int)((((v >> B) & ones) ^ ones) * fill + (v & low));
+}
+
 /* bit i of b (i < 4) to bit 4 of byte i: the fifth bit of four Q5_0 weights */
 __device__ __forceinline__ int qc_spread4(uint32_t b) { return (int)(((b * 0x00204081u) & 0x01010101u) << 4); }
 
@@ -158,8 +170,8 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
         const float d = qc_ldh<SH>(b + offsetof(qc_block_q4_0, d));
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            w[k] = (int)__vsub4((uint32_t)q[k] & 0x0F0F0F0Fu, 0x08080808u);
-            w[k + 4] = (int)__vsub4(((uint32_t)q[k] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+            w[k] = qc_sub_bias4<3>((uint32_t)q[k] & 0x0F0F0F0Fu);
+            w[k + 4] = qc_sub_bias4<3>(((uint32_t)q[k] >> 4) & 0x0F0F0F0Fu);
         }
         qc_q8_dot32<NT>(w, d, u, x, n, t0, acc);
     }
@@ -179,8 +191,8 @@ template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const uint32_t q = (uint32_t)hq[k + 1];
-            w[k] = (int)__vsub4((q & 0x0F0F0F0Fu) | qc_spread4((qh >> (4 * k)) & 15u), 0x10101010u);
-            w[k + 4] = (int)__vsub4(((q >> 4) & 0x0F0F0F0Fu) | qc_spread4((qh >> (16 + 4 * k)) & 15u), 0x10101010u);
+            w[k] = qc_sub_bias4<4>((q & 0x0F0F0F0Fu) | qc_spread4((qh >> (4 * k)) & 15u));
+            w[k + 4] = qc_sub_bias4<4>(((q >> 4) & 0x0F0F0F0Fu) | qc_spread4((qh >> (16 + 4 * k)) & 15u));
         }
         qc_q8_dot32<NT>(w, d, u, x, n, t0, acc);
     }
@@ -268,8 +280,8 @@ template <> struct qc_q8_unit<QC_TYPE_Q6_K> {
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             const uint32_t l4 = (uint32_t)ql[k], h2 = (uint32_t)qh[k];
-            lo[k] = (int)__vsub4((l4 & 0x0F0F0F0Fu) | ((h2 >> (2 * tt)) & 0x03030303u) << 4, 0x20202020u);
-            hi[k] = (int)__vsub4(((l4 >> 4) & 0x0F0F0F0Fu) | ((h2 >> (2 * tt + 4)) & 0x03030303u) << 4, 0x20202020u);
+            lo[k] = qc_sub_bias4<5>((l4 & 0x0F0F0F0Fu) | ((h2 >> (2 * tt)) & 0x03030303u) << 4);
+            hi[k] = qc_sub_bias4<5>(((l4 >> 4) & 0x0F0F0F0Fu) | ((h2 >> (2 * tt + 4)) & 0x03030303u) << 4);
         }
         const int64_t xb = 8 * (u >> 2) + 4 * hh + tt;    /* activation blocks xb and xb + 2 */
 #pragma unroll
