@@ -115,7 +115,9 @@ __device__ __forceinline__ void qc_q8_x(const int8_t *qs, int64_t b, int (&x)[8]
  * 256 - 2^B. The bits are disjoint, so the sum is one multiply-add and a mask, where __vsub4 has
  * no sm_90 instruction and is emulated. The 0.5B decode GEMVs unpack every Q5_0 weight this way
  * (16 weights a word pair): on the SMs that hold two gate/up blocks, that kernel's dot products
- * were issue-bound (stamps: 2.9 us against 1.7 on the SMs with one; bench/results). */
+ * were issue-bound (stamps: 2.9 us against 1.7 on the SMs with one). H100, real file, one lease:
+ * 1733-1745 -> 1785-1793 tok/s at 512 keys, 1528-1531 -> 1564-1568 at 2560
+ * (bench/results/20261124-1f22d20-*). */
 template <int B>
 __device__ __forceinline__ int qc_sub_bias4(uint32_t v) {
     constexpr uint32_t ones = 0x01010101u, low = ones * ((1u << B) - 1u), fill = 0x100u - (1u << B);
