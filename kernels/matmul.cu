@@ -32,12 +32,13 @@
  * out = residual + (x W^T + bias), each term where its pointer is not NULL. residual may alias
  * out (matmul_add on the residual stream): each element is read, then written, by one lane, so
  * neither of the two is __restrict__. Q8: the dot products on 8-bit activations xq
- * (qc_gemv_q8.cuh), else on x. */
+ * (qc_gemv_q8.cuh), else on x. launch_next: the next kernel launches before this one's wait
+ * (qc_grid_launch_next; matmul_any says where). */
 template <int T, int NT, int S, bool Q8, bool SH = false>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
                const float *__restrict__ x, const qc_q8x xq, int n, const float *__restrict__ bias,
-               const float *residual, float *out, const qc_l2_ahead ahead) {
+               const float *residual, float *out, const qc_l2_ahead ahead, int launch_next) {
     static_assert(S == 1 || S == QC_GEMV_WARPS, "a split row takes the whole block");
     static_assert(!SH || Q8, "the 8-bit GEMV reads a shared copy");
     __shared__ float slice_sum[S > 1 ? S : 1][NT];
@@ -60,6 +61,7 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     const bool writer = lane == 0 && (S == 1 || warp == 0) && r < rows;
     const float b_r = writer && bias ? bias[r] : 0.0f;
     qc_l2_ahead_issue(ahead);
+    if (launch_next) qc_grid_launch_next();
     qc_grid_start();
     if constexpr (SH) qc_copy_wait();
     if (r >= rows) return;   /* whole warps (S = 1) or the whole block (S > 1) leave together */
@@ -108,9 +110,7 @@ __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t block
 /* One row x normalised (rmsnorm's bits: qc_norm_row_scale, then x * scale * w) and quantized:
  * every block computes the row's scale (cheap, and the same bits in each) and normalises and
  * quantizes its QC_GEMV_WARPS blocks of 32, one per warp. Many blocks, so the decode's fused
- * norm costs about a launch, not a pass of every GEMV block over the row.
- * LAUNCH_NEXT: the next kernel launches before this one's wait (qc_grid_launch_next). */
-template <bool LAUNCH_NEXT>
+ * norm costs about a launch, not a pass of every GEMV block over the row. */
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict__ norm_w, int cols,
                            float eps, int8_t *qs, float2 *ds) {
@@ -122,7 +122,6 @@ qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict_
     /* the chain is latency: the norm weight (no kernel writes it) is loaded before the wait,
      * and this lane's x value beside the scale's loads, not after the scale */
     const float w = mine ? __ldg(norm_w + i) : 0.0f;
-    if (LAUNCH_NEXT) qc_grid_launch_next();
     qc_grid_start();
     const float xi = mine ? __ldcg(x + i) : 0.0f;
     const float scale = qc_norm_row_scale(x, cols, eps, norm_tmp);
@@ -149,15 +148,15 @@ int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_
 }
 
 int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w, int64_t cols,
-                             float eps, qc_q8x *out, int launch_next) {
+                             float eps, qc_q8x *out) {
     qc_cuda *cu = qc_cuda_of(be);
     if (cols % 32 != 0 || cols > QC_NORM_FUSE_MAX_COLS)
         return qc_cuda_value_error(be, "norm_quantize_q8: %lld columns", (long long)cols);
     int8_t *qs = (int8_t *)cu->q8x;
     float2 *ds = qc_q8x_ds_at(cu->q8x, 1, cols);
     const unsigned blocks = (unsigned)((cols / 32 + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS);
-    qc_launch(cu, launch_next ? qc_norm_quantize_q8_kernel<true> : qc_norm_quantize_q8_kernel<false>, dim3(blocks),
-              dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols, eps, qs, ds);
+    qc_launch(cu, qc_norm_quantize_q8_kernel, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols, eps,
+              qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
     cu->q8x_of = NULL;
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
@@ -165,13 +164,14 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
 
 template <int T, int S, bool Q8>
 static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
-                          int n, const float *residual, float *out, const qc_l2_ahead &ahead, const qc_cuda *cu) {
+                          int n, const float *residual, float *out, const qc_l2_ahead &ahead, int launch_next,
+                          const qc_cuda *cu) {
     const int64_t rb = qc_row_bytes_t<T>(w->cols);
     const int64_t rows_per_block = QC_GEMV_WARPS / S;
     const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
     const dim3 block(32 * QC_GEMV_WARPS);
     const uint8_t *W = (const uint8_t *)w->data;
-#define QC_ARGS_ W, rb, w->rows, w->cols, x, xq, n, bias, residual, out, ahead
+#define QC_ARGS_ W, rb, w->rows, w->cols, x, xq, n, bias, residual, out, ahead, launch_next
     /* one token, one wave of blocks: each block's rows into its shared memory before the wait */
     const size_t shared = qc_shared_copy_bytes(rows_per_block * rb);
     if constexpr (Q8) {
@@ -193,9 +193,12 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
 /* Q8: x quantized in xq (qc_gemv_q8.cuh; the types of QC_Q8_FOR_EACH_TYPE only). */
 template <int T, bool Q8>
 static void launch_gemv(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq, int n,
-                        const float *residual, float *out, const qc_l2_ahead &ahead, const qc_cuda *cu) {
-    if (qc_gemv_split(w->cols) > 1) launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, ahead, cu);
-    else launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, ahead, cu);
+                        const float *residual, float *out, const qc_l2_ahead &ahead, int launch_next,
+                        const qc_cuda *cu) {
+    if (qc_gemv_split(w->cols) > 1)
+        launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, ahead, launch_next, cu);
+    else
+        launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, ahead, launch_next, cu);
 }
 
 /* out[n][rows] (ldc = rows, starting at row r0) = X[n][cols] @ A^T for A (m, cols); with
@@ -280,19 +283,27 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
         return qc_cuda_value_error(be, "matmul: %lld rows is too many", (long long)w->rows);
     qc_q8x xq = {};
     if (qc_cuda_gemv_q8(be, w->type, w->cols)) {
-        if (x_from_last_op && n == 1 && cu->q8x_of == x && cu->q8x_cols == w->cols)
+        const int handed = x_from_last_op && n == 1 && cu->q8x_of == x && cu->q8x_cols == w->cols;
+        if (handed)
             xq = qc_q8x{(const int8_t *)cu->q8x_of_at, qc_q8x_ds_at(cu->q8x_of_at, 1, w->cols), w->cols, w->cols / 32};
         else if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0)
             return -1;
+        /* The o projection (x the attention's output, its 8-bit form handed over in q8x) lets the
+         * next kernel, the feed-forward norm, launch before its own wait: the norm's 7 blocks are
+         * then placed while the projection runs and pass their wait as soon as it ends (the norm
+         * no longer launches the gate/up kernel early in turn). H100, real file, same-lease A/B
+         * against the norm launching gate/up early: 1777-1796 -> 1794-1810 tok/s at 512 keys,
+         * 1562-1573 -> 1577-1591 at 2560 (bench/results/20261124-*, addendum). */
+        const int launch_next = handed && cu->q8x_of_at == cu->q8x;
         switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, ahead, cu); break;
+#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, ahead, launch_next, cu); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
         }
         return QC_LAUNCHED(be, "qc_gemv_kernel");
     }
     switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, ahead, cu); break;
+#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, ahead, 0, cu); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }

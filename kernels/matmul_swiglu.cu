@@ -247,14 +247,12 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     /* one token, gate and up of one 32-element 8-bit type, one wave: the 32-row kernel */
     const int q8out = gate_q8 && swiglu_q8out_takes(cu, w_gate, w_up, n);
     /* the 8-bit weights' x, normalised and quantized once here; the blocks normalise in shared
-     * memory only for a float-GEMV weight. Before the 32-row kernel the norm lets it launch at
-     * once (qc_grid_launch_next): its blocks are then placed and copy their rows while the o
-     * projection before the norm still runs. On the H100, real file, that decoded 1720-1736 ->
-     * 1745-1757 tok/s at 512 keys, 1544-1555 -> 1555-1558 at 2560
-     * (bench/results/20261124-550e506-*, addendum). */
+     * memory only for a float-GEMV weight. (The norm used to let the 32-row kernel launch before
+     * its own wait, report 550e506; since the gate/up rows are read ahead into L2 (read_ahead),
+     * it is the o projection that lets the norm launch early instead: matmul.cu, matmul_any.) */
     qc_q8x xq = {};
     if (gate_q8 || up_q8) {
-        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq, q8out)
+        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq)
                     : qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq)) < 0)
             return -1;
         if (gate_q8 && up_q8) norm_w = NULL;

@@ -72,6 +72,29 @@ __device__ __forceinline__ void qc_att_key(const float (&qr)[QC_ATT_MAXD], KD kd
     m = m_new;
 }
 
+/* qc_att_keys' AHEAD loop, with key `first`'s K and V rows already in k_next, v_next (loaded by
+ * the caller, which may issue them before its own loads are waited for). */
+template <int G, typename KV>
+__device__ __forceinline__ void qc_att_keys_loaded(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v,
+                                                   int kv_dim, int head_dim, float scale, int first, int stride,
+                                                   int last, unsigned gmask, int lane, float *srow, int n_kv,
+                                                   float &m, float &l, float (&acc)[QC_ATT_MAXD],
+                                                   KV (&k_next)[QC_ATT_MAXD], KV (&v_next)[QC_ATT_MAXD]) {
+    for (int j = first; j <= last; j += stride) {
+        KV kr[QC_ATT_MAXD], vr[QC_ATT_MAXD];
+#pragma unroll
+        for (int i = 0; i < QC_ATT_MAXD; i++) {
+            kr[i] = k_next[i];
+            vr[i] = v_next[i];
+        }
+        /* unconditional (past `last`: key `last` again, unused): loaded under a branch, the
+         * next key's rows were waited for where it joined, before this key's arithmetic */
+        qc_att_load_kv<G, KV>(k, v, j + stride <= last ? j + stride : last, kv_dim, head_dim, lane, k_next, v_next);
+        qc_att_key<G>(qr, [&](int i) { return qc_kv_float(kr[i]); }, [&](int i) { return qc_kv_float(vr[i]); },
+                      j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
+    }
+}
+
 /* Online softmax of one group over keys first, first + stride, ... <= last of one KV head
  * (k and v point at that head in key 0's row): running max m, sum l and output acc. When srow is
  * not NULL, lane 0 writes each scaled score below n_kv.
@@ -90,19 +113,8 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
         if (first > last) return;
         KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
         qc_att_load_kv<G, KV>(k, v, first, kv_dim, head_dim, lane, k_next, v_next);
-        for (int j = first; j <= last; j += stride) {
-            KV kr[QC_ATT_MAXD], vr[QC_ATT_MAXD];
-#pragma unroll
-            for (int i = 0; i < QC_ATT_MAXD; i++) {
-                kr[i] = k_next[i];
-                vr[i] = v_next[i];
-            }
-            /* unconditional (past `last`: key `last` again, unused): loaded under a branch, the
-             * next key's rows were waited for where it joined, before this key's arithmetic */
-            qc_att_load_kv<G, KV>(k, v, j + stride <= last ? j + stride : last, kv_dim, head_dim, lane, k_next, v_next);
-            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(kr[i]); }, [&](int i) { return qc_kv_float(vr[i]); },
-                          j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
-        }
+        qc_att_keys_loaded<G, KV>(qr, k, v, kv_dim, head_dim, scale, first, stride, last, gmask, lane, srow, n_kv, m, l,
+                                  acc, k_next, v_next);
     } else {
         for (int j = first; j <= last; j += stride) {
             const KV *kr = k + (int64_t)j * kv_dim + lane, *vr = v + (int64_t)j * kv_dim + lane;
@@ -285,21 +297,39 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
     const int lane = tid % G, group = tid / G, groups = QC_ATT_SPLIT_THREADS / G;
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
 
+    const KV *k = k_cache + (int64_t)sh.kvh * head_dim, *v = v_cache + (int64_t)sh.kvh * head_dim;
+    /* the held keys are the group's first ones below held->end; the rest start at `rest` */
+    int n_held = 0;
+#pragma unroll
+    for (int r = 0; r < R; r++) n_held += sh.first + r * sh.stride < held->end;
+    const int rest = sh.first + n_held * sh.stride;
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
     qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
+    /* AHEAD: the first key after the held ones is loaded beside q, not after the held keys'
+     * arithmetic has waited for q: one L2 round trip instead of two before the loop (at 513 to
+     * 768 keys every head has groups with a third key, and the new key is one). Unconditional
+     * (past last_key: key last_key, unused), as in qc_att_keys_loaded. H100, real file, one
+     * lease: 1794-1810 -> 1805-1819 tok/s at 512 keys, even at 2560 (1577-1591 -> 1580-1589);
+     * 57 registers a thread instead of 49 (bench/results/20261124-*, addendum). */
+    KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
+    if constexpr (AHEAD)
+        qc_att_load_kv<G, KV>(k, v, rest <= last_key ? rest : last_key, kv_dim, head_dim, lane, k_next, v_next);
     float m = -INFINITY, l = 0.0f;
-    int first = sh.first;
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        if (first < held->end) {
+        if (r < n_held)
             qc_att_key<G>(qr, [&](int i) { return qc_kv_float(held->k[r][i]); },
-                          [&](int i) { return qc_kv_float(held->v[r][i]); }, first, head_dim, scale, gmask, lane,
-                          nullptr, 0, m, l, acc);
-            first += sh.stride;
-        }
+                          [&](int i) { return qc_kv_float(held->v[r][i]); }, sh.first + r * sh.stride, head_dim,
+                          scale, gmask, lane, nullptr, 0, m, l, acc);
     }
-    qc_att_keys<G, KV, AHEAD>(qr, k_cache + (int64_t)sh.kvh * head_dim, v_cache + (int64_t)sh.kvh * head_dim,
-                       kv_dim, head_dim, scale, first, sh.stride, last_key, gmask, lane, nullptr, 0, m, l, acc);
+    if constexpr (AHEAD) {
+        if (rest <= last_key)
+            qc_att_keys_loaded<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr,
+                                      0, m, l, acc, k_next, v_next);
+    } else {
+        qc_att_keys<G, KV, false>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr, 0,
+                                  m, l, acc);
+    }
 
     /* a split with no keys (short contexts) leaves m = -inf, l = 0: the merge skips it */
     const float M = qc_att_publish<G>(pub, group, groups, lane, head_dim, m, l, acc);

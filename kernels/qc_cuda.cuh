@@ -234,14 +234,14 @@ __device__ __forceinline__ void qc_grid_start() {
 #endif
 }
 
-/* Let the next kernel launch now, before this one's qc_grid_start: for a short kernel whose
- * successor needs the time to be placed and to fetch its weights (the feed-forward norm before
- * the one-wave gate/up kernel, matmul_swiglu.cu). Three grids are then in flight; each still
- * waits in qc_grid_start for the one before it, which finishes only after its own wait, so the
- * order of their reads and writes is unchanged. Elsewhere it was slower: after the attention
- * norm, the q/k/v kernel's blocks came 21 us a step earlier but the attention's clusters after
- * it were placed late, -1% at 512 keys and -5% at 2560; in every kernel, -3% at 2560
- * (bench/results/20261124-d82da0b-*; 20261124-550e506-*, addendum). */
+/* Let the next kernel launch now, before this one's qc_grid_start: for a kernel whose successor
+ * needs the time to be placed (the o projection before the feed-forward norm, matmul.cu's
+ * matmul_any). Three grids are then in flight; each still waits in qc_grid_start for the one
+ * before it, which finishes only after its own wait, so the order of their reads and writes is
+ * unchanged. Elsewhere it was slower: after the attention norm, the q/k/v kernel's blocks came
+ * 21 us a step earlier but the attention's clusters after it were placed late, -1% at 512 keys
+ * and -5% at 2560; in every kernel, -3% at 2560 (bench/results/20261124-d82da0b-*;
+ * 20261124-550e506-*, addendum). */
 __device__ __forceinline__ void qc_grid_launch_next() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -260,8 +260,8 @@ __device__ __forceinline__ void qc_grid_launch_next() {
  * before within noise. Folding those norms into the GEMVs was slower both ways tried (each block
  * of the q/k/v and gate/up kernels normalising for itself, -6%; the o projection's last block
  * normalising for the gate/up kernel, -11%: bench/results/20261124-550e506-*, addendum); what
- * paid was the feed-forward norm launching the gate/up kernel early (qc_grid_launch_next), whose
- * copies then run under the o projection.
+ * paid was launching the gate/up kernel early, whose copies then ran under the o projection
+ * (550e506), and later reading its rows ahead into L2 (read_ahead, d903914).
  * qc_copy_to_shared copies global bytes [src, src + bytes) to shared memory at dst + (src % 16),
  * which it returns (the same 16-byte phase, so 16-byte copies line up; dst is 16-byte aligned
  * with bytes + 16 of room), by the block's threads: cp.async (sm_80+, no register holds the bytes)
