@@ -310,7 +310,7 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
      * 768 keys every head has groups with a third key, and the new key is one). Unconditional
      * (past last_key: key last_key, unused), as in qc_att_keys_loaded. H100, real file, one
      * lease: 1794-1810 -> 1805-1819 tok/s at 512 keys, even at 2560 (1577-1591 -> 1580-1589);
-     * 57 registers a thread instead of 49 (bench/results/20261124-*, addendum). */
+     * 57 registers a thread instead of 49 (bench/results/20261124-e49438a-*, addendum). */
     KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
     if constexpr (AHEAD)
         qc_att_load_kv<G, KV>(k, v, rest <= last_key ? rest : last_key, kv_dim, head_dim, lane, k_next, v_next);
