@@ -289,11 +289,12 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
         else if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0)
             return -1;
         /* The o projection (x the attention's output, its 8-bit form handed over in q8x) lets the
-         * next kernel, the feed-forward norm, launch before its own wait: the norm's 7 blocks are
-         * then placed while the projection runs and pass their wait as soon as it ends (the norm
-         * no longer launches the gate/up kernel early in turn). H100, real file, same-lease A/B
-         * against the norm launching gate/up early: 1777-1796 -> 1794-1810 tok/s at 512 keys,
-         * 1562-1573 -> 1577-1591 at 2560 (bench/results/20261124-e49438a-*, addendum). */
+         * next kernel, the feed-forward norm, launch before its own wait: the norm's few blocks
+         * (7 at 0.5B) are then placed while the projection runs and pass their wait as soon as it
+         * ends (the norm no longer launches the gate/up kernel early in turn). H100, real file,
+         * same-lease A/B against the norm launching gate/up early: 1777-1796 -> 1794-1810 tok/s
+         * at 512 keys, 1562-1573 -> 1577-1591 at 2560 (bench/results/20261124-e49438a-*,
+         * addendum). */
         const int launch_next = handed && cu->q8x_of_at == cu->q8x;
         switch (w->type) {
 #define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, ahead, launch_next, cu); break;
