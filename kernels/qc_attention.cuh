@@ -72,14 +72,34 @@ __device__ __forceinline__ void qc_att_key(const float (&qr)[QC_ATT_MAXD], KD kd
     m = m_new;
 }
 
-/* qc_att_keys' AHEAD loop, with key `first`'s K and V rows already in k_next, v_next (loaded by
- * the caller, which may issue them before its own loads are waited for). */
+/* Online softmax of one group over keys first, first + stride, ... <= last of one KV head
+ * (k and v point at that head in key 0's row): running max m, sum l and output acc. When srow is
+ * not NULL, lane 0 writes each scaled score below n_kv. */
 template <int G, typename KV>
-__device__ __forceinline__ void qc_att_keys_loaded(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v,
-                                                   int kv_dim, int head_dim, float scale, int first, int stride,
-                                                   int last, unsigned gmask, int lane, float *srow, int n_kv,
-                                                   float &m, float &l, float (&acc)[QC_ATT_MAXD],
-                                                   KV (&k_next)[QC_ATT_MAXD], KV (&v_next)[QC_ATT_MAXD]) {
+__device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], const KV *k,
+                                            const KV *v, int kv_dim, int head_dim, float scale,
+                                            int first, int stride, int last, unsigned gmask,
+                                            int lane, float *srow, int n_kv, float &m, float &l,
+                                            float (&acc)[QC_ATT_MAXD]) {
+    for (int j = first; j <= last; j += stride) {
+        const KV *kr = k + (int64_t)j * kv_dim + lane, *vr = v + (int64_t)j * kv_dim + lane;
+        qc_att_key<G>(qr, [&](int i) { return qc_kv_get(kr + i * G); }, [&](int i) { return qc_kv_get(vr + i * G); },
+                      j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
+    }
+}
+
+/* The same loop with each next key's K and V loaded into registers before this key's
+ * arithmetic, so that it is not a chain of load latencies (the split-K decode kernel of a 3B
+ * layer took 11 us at 512 keys on the H100 without it); key `first`'s rows are already in
+ * k_next, v_next, loaded by the caller (qc_att_split_partial issues them beside q's). The
+ * arithmetic is qc_att_keys'; the kernels with fewer registers to spare (the exact one of 1024
+ * threads, the persistent decode kernel) take qc_att_keys. */
+template <int G, typename KV>
+__device__ __forceinline__ void qc_att_keys_ahead(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v,
+                                                  int kv_dim, int head_dim, float scale, int first, int stride,
+                                                  int last, unsigned gmask, int lane, float &m, float &l,
+                                                  float (&acc)[QC_ATT_MAXD], KV (&k_next)[QC_ATT_MAXD],
+                                                  KV (&v_next)[QC_ATT_MAXD]) {
     for (int j = first; j <= last; j += stride) {
         KV kr[QC_ATT_MAXD], vr[QC_ATT_MAXD];
 #pragma unroll
@@ -91,36 +111,7 @@ __device__ __forceinline__ void qc_att_keys_loaded(const float (&qr)[QC_ATT_MAXD
          * next key's rows were waited for where it joined, before this key's arithmetic */
         qc_att_load_kv<G, KV>(k, v, j + stride <= last ? j + stride : last, kv_dim, head_dim, lane, k_next, v_next);
         qc_att_key<G>(qr, [&](int i) { return qc_kv_float(kr[i]); }, [&](int i) { return qc_kv_float(vr[i]); },
-                      j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
-    }
-}
-
-/* Online softmax of one group over keys first, first + stride, ... <= last of one KV head
- * (k and v point at that head in key 0's row): running max m, sum l and output acc. When srow is
- * not NULL, lane 0 writes each scaled score below n_kv.
- * AHEAD: the next key's K and V are loaded into registers before this key's arithmetic, so the
- * loop is not a chain of load latencies (the split-K decode kernel of a 3B layer took 11 us at
- * 512 keys on the H100 without it). The arithmetic is the same either way; the kernels with
- * fewer registers to spare (the exact one of 1024 threads, the persistent decode kernel) go
- * without. */
-template <int G, typename KV, bool AHEAD = false>
-__device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], const KV *k,
-                                            const KV *v, int kv_dim, int head_dim, float scale,
-                                            int first, int stride, int last, unsigned gmask,
-                                            int lane, float *srow, int n_kv, float &m, float &l,
-                                            float (&acc)[QC_ATT_MAXD]) {
-    if constexpr (AHEAD) {
-        if (first > last) return;
-        KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
-        qc_att_load_kv<G, KV>(k, v, first, kv_dim, head_dim, lane, k_next, v_next);
-        qc_att_keys_loaded<G, KV>(qr, k, v, kv_dim, head_dim, scale, first, stride, last, gmask, lane, srow, n_kv, m, l,
-                                  acc, k_next, v_next);
-    } else {
-        for (int j = first; j <= last; j += stride) {
-            const KV *kr = k + (int64_t)j * kv_dim + lane, *vr = v + (int64_t)j * kv_dim + lane;
-            qc_att_key<G>(qr, [&](int i) { return qc_kv_get(kr + i * G); }, [&](int i) { return qc_kv_get(vr + i * G); },
-                          j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
-        }
+                      j, head_dim, scale, gmask, lane, nullptr, 0, m, l, acc);
     }
 }
 
@@ -284,7 +275,7 @@ __device__ __forceinline__ void qc_att_held_load(qc_att_held<KV, R> &held, const
  * then every splits * groups keys up to last_key, merged into one unnormalised partial
  * (m, l, acc[head_dim]) in mine (global or shared memory). pub: groups * (2 + head_dim) floats
  * of shared memory for this split's groups. Every thread of the block calls it (it synchronises
- * the block). AHEAD: qc_att_keys. held (R > 0): the group's first keys from registers
+ * the block). AHEAD: qc_att_keys_ahead, else qc_att_keys. held (R > 0): the group's first keys from registers
  * (qc_att_held_load), the rest from the cache; the same keys in the same order, the same bits. */
 template <int G, typename KV, bool AHEAD, int R = 0>
 __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k_cache, const KV *v_cache,
@@ -308,7 +299,7 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
     /* AHEAD: the first key after the held ones is loaded beside q, not after the held keys'
      * arithmetic has waited for q: one L2 round trip instead of two before the loop (at 513 to
      * 768 keys every head has groups with a third key, and the new key is one). Unconditional
-     * (past last_key: key last_key, unused), as in qc_att_keys_loaded. H100, real file, one
+     * (past last_key: key last_key, unused), as in qc_att_keys_ahead. H100, real file, one
      * lease: 1794-1810 -> 1805-1819 tok/s at 512 keys, even at 2560 (1577-1591 -> 1580-1589);
      * 57 registers a thread instead of 49 (bench/results/20261124-e49438a-*, addendum). */
     KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
@@ -322,14 +313,12 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
                           [&](int i) { return qc_kv_float(held->v[r][i]); }, sh.first + r * sh.stride, head_dim,
                           scale, gmask, lane, nullptr, 0, m, l, acc);
     }
-    if constexpr (AHEAD) {
-        if (rest <= last_key)
-            qc_att_keys_loaded<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr,
-                                      0, m, l, acc, k_next, v_next);
-    } else {
-        qc_att_keys<G, KV, false>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr, 0,
-                                  m, l, acc);
-    }
+    if constexpr (AHEAD)
+        qc_att_keys_ahead<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, m, l, acc,
+                                 k_next, v_next);
+    else
+        qc_att_keys<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr, 0, m, l,
+                           acc);
 
     /* a split with no keys (short contexts) leaves m = -inf, l = 0: the merge skips it */
     const float M = qc_att_publish<G>(pub, group, groups, lane, head_dim, m, l, acc);
