@@ -102,12 +102,20 @@ static void cu_free(qc_backend *be, void *ptr) {
     if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
 }
 
+/* A write of [dst, dst + bytes) over the row whose normalised 8-bit form q8x_norm holds ends it
+ * (a capture's copy out of that row does not). */
+static void forget_norm_of(qc_cuda *cu, const void *dst, size_t bytes) {
+    const char *d = (const char *)dst, *x = (const char *)cu->norm_of;
+    if (x && d < x + cu->norm_cols * (int64_t)sizeof(float) && x < d + bytes) cu->norm_of = NULL;
+}
+
 static int cu_upload(qc_backend *be, void *dst, const void *host_src, size_t bytes) {
     if (bytes == 0) return 0;
     if (use_device(be) < 0) return -1;
     /* from pageable memory the copy is staged before the call returns, so the caller may reuse
      * host_src at once. dst may be an activation whose 8-bit form q8x held: no longer. */
     qc_cuda_of(be)->q8x_of = NULL;
+    forget_norm_of(qc_cuda_of(be), dst, bytes);
     return QC_CUDA(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, qc_cuda_of(be)->stream));
 }
 
@@ -123,6 +131,7 @@ static int cu_copy(qc_backend *be, void *dst, const void *src, size_t bytes) {
     if (bytes == 0) return 0;
     if (use_device(be) < 0) return -1;
     qc_cuda_of(be)->q8x_of = NULL;   /* as in cu_upload */
+    forget_norm_of(qc_cuda_of(be), dst, bytes);
     return QC_CUDA(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, qc_cuda_of(be)->stream));
 }
 
@@ -284,6 +293,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->scratch_norm) cudaFree(cu->scratch_norm);
             if (cu->attn_done) cudaFree(cu->attn_done);
             if (cu->q8x) cudaFree(cu->q8x);
+            if (cu->norm_ss) cudaFree(cu->norm_ss);
             if (cu->dec_sync) cudaFree(cu->dec_sync);
             if (cu->sample_part) cudaFree(cu->sample_part);
             if (cu->sample_done) cudaFree(cu->sample_done);
@@ -407,8 +417,10 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->sample_done, sizeof(unsigned int)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->sample_done, 0, sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
-    static_assert(QC_GEMV_MAX_TOKENS >= 2, "q8x holds two one-token regions");
+    static_assert(QC_GEMV_MAX_TOKENS >= 3, "q8x holds three one-token regions");
     cu->q8x_act = (char *)cu->q8x + qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
+    cu->q8x_norm = (char *)cu->q8x + 2 * qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->norm_ss, QC_Q8X_MAX_COLS / 32 * sizeof(float)));
     /* one normalised row for the fused ops of a decode step (QC_NORM_IN_BLOCK_MAX_COLS): made
      * here, so a recorded step never grows it */
     QC_CREATE_CHECK(cudaMalloc(&cu->scratch_norm, QC_Q8X_MAX_COLS * sizeof(float)));

@@ -98,6 +98,52 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     }
 }
 
+/* matmul_add of one token that also leaves out's normalised 8-bit form for the next op
+ * (norm_next, backend.h; qc_gemv_q8.cuh, "a norm's scale after the dot products"): 32 rows a
+ * block, 4 a warp (qc_gemv_q8_row4: each row qc_gemv_q8_row_slice's operations, so out is
+ * qc_gemv_kernel's bit for bit), then the block's 32 values of out times the norm weight
+ * quantized as one block (qs, ds) and their sum of squares (ss). A 32-element 8-bit type
+ * (Q4_0, Q5_0, Q8_0: row4's registers), rows a multiple of 32. */
+#define QC_ADD_NORM_ROWS 32
+#define QC_ADD_NORM_THREADS (32 * QC_ADD_NORM_ROWS / 4)
+template <int T, bool SH>
+__global__ void __launch_bounds__(QC_ADD_NORM_THREADS)
+qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t cols, const qc_q8x xq,
+                           const float *residual, float *out, const float *__restrict__ norm_w, int8_t *qs,
+                           float2 *ds, float *ss, const qc_l2_ahead ahead, int launch_next) {
+    __shared__ float out_s[QC_ADD_NORM_ROWS];
+    extern __shared__ __align__(16) uint8_t w_shared[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t r0 = (int64_t)blockIdx.x * QC_ADD_NORM_ROWS;
+    const uint8_t *rows = W + r0 * row_bytes;
+    if constexpr (SH) rows = qc_copy_to_shared(w_shared, rows, QC_ADD_NORM_ROWS * row_bytes);
+    else qc_prefetch_l2(rows, QC_ADD_NORM_ROWS * row_bytes);
+    const float w = __ldg(norm_w + r0 + lane);   /* a weight: before the wait */
+    qc_l2_ahead_issue(ahead);
+    if (launch_next) qc_grid_launch_next();
+    qc_grid_start();
+    if constexpr (SH) qc_copy_wait();
+    const int64_t i = 4 * warp;   /* this warp's rows r0 + i .. r0 + i + 3 */
+    const float res = residual[r0 + i + (lane & 3)];   /* lanes 0..3 keep theirs (epilogue) */
+    const uint8_t *const four[4] = {rows + i * row_bytes, rows + (i + 1) * row_bytes, rows + (i + 2) * row_bytes,
+                                    rows + (i + 3) * row_bytes};
+    float acc[4];
+    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);
+    if (lane < 4) {
+        /* residual + v: the add op's operands, as qc_gemv_kernel */
+        const float v = res + (lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3]);
+        out[r0 + i + lane] = v;
+        out_s[i + lane] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const float v = out_s[lane];
+        qc_q8_quantize_block(v * w, lane, qs + r0, ds + blockIdx.x);
+        const float block_ss = qc_norm_block_ss(v);
+        if (lane == 0) ss[blockIdx.x] = block_ss;
+    }
+}
+
 /* x[n][cols] to 8 bits: one warp per block of 32 (qc_q8_quantize_block). */
 __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t blocks, int8_t *qs, float2 *ds) {
     qc_grid_start();
@@ -258,13 +304,48 @@ static int matmul_cublas(qc_backend *be, const qc_weight *w, const float *bias, 
     return bias ? qc_cuda_add_bias(be, out, bias, n, rows) : 0;
 }
 
+/* Where matmul_add leaves out's normalised 8-bit form (qc_gemv_q8_add_norm_kernel): one token
+ * added in place to the residual stream, a 32-element 8-bit type and whole blocks of 32 rows
+ * (the session passes norm_next unless QWENCUDA_NORM_AFTER=0 made it). Measured on the H100 (real file, one lease,
+ * as an experiment): the feed-forward norm's launch gone, 1749-1781 -> 1849-1852 tok/s at 512
+ * keys and 1559-1572 -> 1645-1659 at 2560 (bench/results/20261125-*). */
+static int add_norm_takes(const qc_cuda *cu, const qc_weight *w, int n, const float *residual, const float *out) {
+    const uint32_t t = w->type;
+    (void)cu;
+    return n == 1 && residual == out && (t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0) &&
+           w->rows % QC_ADD_NORM_ROWS == 0 && w->rows <= QC_NORM_SS_MAX_COLS &&
+           qc_shared_copy_bytes(QC_ADD_NORM_ROWS * qc_row_bytes(t, w->cols)) <= QC_SHARED_COPY_MAX;
+}
+
+static void launch_add_norm(const qc_weight *w, const qc_q8x &xq, const float *residual, float *out,
+                            const float *norm_w, const qc_l2_ahead &ahead, int launch_next, qc_cuda *cu) {
+    const int64_t rb = qc_row_bytes(w->type, w->cols);
+    const dim3 grid((unsigned)(w->rows / QC_ADD_NORM_ROWS)), block(QC_ADD_NORM_THREADS);
+    int8_t *qs = (int8_t *)cu->q8x_norm;
+    float2 *ds = qc_q8x_ds_at(cu->q8x_norm, 1, w->rows);
+    const uint8_t *W = (const uint8_t *)w->data;
+    const size_t shared = cu->w_shared ? qc_shared_copy_bytes(QC_ADD_NORM_ROWS * rb) : 0;
+#define QC_ARGS_ W, rb, w->cols, xq, residual, out, norm_w, qs, ds, cu->norm_ss, ahead, launch_next
+    switch (w->type) {
+#define QC_CASE_(T)                                                                                          \
+    case T:                                                                                                  \
+        if (shared) qc_launch(cu, qc_gemv_q8_add_norm_kernel<T, true>, grid, block, shared, QC_ARGS_);       \
+        else qc_launch(cu, qc_gemv_q8_add_norm_kernel<T, false>, grid, block, 0, QC_ARGS_);                  \
+        break;
+        QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
+#undef QC_CASE_
+    }
+#undef QC_ARGS_
+}
+
 /* matmul (residual NULL) and matmul_add: the GEMV up to QC_GEMV_MAX_TOKENS tokens, else cuBLAS.
  * x_from_last_op: x is the unchanged output of the op just before, whose 8-bit form that op may
  * have left (cu->q8x_of, laid out at cu->q8x_of_at): then the GEMV reads it there, with no
  * quantize launch. */
 static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
-                      const float *residual, float *out, int x_from_last_op) {
+                      const float *residual, float *out, int x_from_last_op, const float *norm_next) {
     qc_cuda *cu = qc_cuda_of(be);
+    cu->norm_of = NULL;   /* out may be that row; this call leaves a new one or none */
     /* read_ahead's hint is this call's to take (the GEMV's blocks issue it), and only this call's */
     const qc_l2_ahead ahead = cu->ahead;
     cu->ahead = qc_l2_ahead{};
@@ -296,6 +377,14 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
          * at 512 keys, 1562-1573 -> 1577-1591 at 2560 (bench/results/20261124-e49438a-*,
          * addendum). */
         const int launch_next = handed && cu->q8x_of_at == cu->q8x;
+        if (norm_next && add_norm_takes(cu, w, n, residual, out)) {
+            launch_add_norm(w, xq, residual, out, norm_next, ahead, launch_next, cu);
+            if (QC_LAUNCHED(be, "qc_gemv_q8_add_norm_kernel") < 0) return -1;
+            cu->norm_of = out;
+            cu->norm_of_w = norm_next;
+            cu->norm_cols = w->rows;
+            return 0;
+        }
         switch (w->type) {
 #define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, ahead, launch_next, cu); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
@@ -313,10 +402,10 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
 
 int qc_cuda_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
                    float *out) {
-    return matmul_any(be, w, bias, x, n, NULL, out, 0);
+    return matmul_any(be, w, bias, x, n, NULL, out, 0, NULL);
 }
 
 int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
-                       const float *residual, float *out, int x_from_last_op) {
-    return matmul_any(be, w, NULL, x, n, residual, out, x_from_last_op);
+                       const float *residual, float *out, int x_from_last_op, const float *norm_next) {
+    return matmul_any(be, w, NULL, x, n, residual, out, x_from_last_op, norm_next);
 }

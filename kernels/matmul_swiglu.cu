@@ -103,8 +103,8 @@ static int swiglu_q8out_takes(const qc_cuda *cu, const qc_weight *w_gate, const 
 template <int T, bool SH>
 __global__ void __launch_bounds__(QC_SWIGLU_Q8_THREADS, QC_SWIGLU_Q8_BLOCKS_PER_SM)
 qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu, int64_t row_bytes,
-                               int64_t rows, int64_t cols, const qc_q8x xq, float *__restrict__ act,
-                               int8_t *__restrict__ act_qs, float2 *__restrict__ act_ds) {
+                               int64_t rows, int64_t cols, const qc_q8x xq, const float *norm_ss, float eps,
+                               float *__restrict__ act, int8_t *__restrict__ act_qs, float2 *__restrict__ act_ds) {
     __shared__ float act_s[QC_SWIGLU_ROWS];
     extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -126,8 +126,15 @@ qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__
     const int64_t r = r0 + i;
     const uint8_t *const four[4] = {g + i * row_bytes, u + i * row_bytes, g + (i + 1) * row_bytes,
                                     u + (i + 1) * row_bytes};
+    /* norm_ss: xq is x * norm weight, its norm's scale still to apply (qc_gemv_q8.cuh) */
+    const float ss_part = norm_ss ? qc_norm_ss_load(norm_ss, cols) : 0.0f;
     float acc[4];
     qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);
+    if (norm_ss) {
+        const float scale = qc_norm_scale_of_ss(ss_part, cols, eps);
+#pragma unroll
+        for (int k = 0; k < 4; k++) acc[k] *= scale;
+    }
     if (lane == 0) {
         act_s[2 * warp] = act[r] = qc_silu_mul(acc[0], acc[1]);
         act_s[2 * warp + 1] = act[r + 1] = qc_silu_mul(acc[2], acc[3]);
@@ -218,6 +225,8 @@ static void launch_swiglu_mixed(const qc_weight *w_gate, int gate_q8, const qc_w
 int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
                           const float *x, int n, const float *norm_w, float eps, float *act) {
     qc_cuda *cu = qc_cuda_of(be);
+    const float *norm_of = cu->norm_of;   /* the matmul_add before's hand-off is this call's only */
+    cu->norm_of = NULL;
     if (!qc_cuda_type_supported(w_gate->type) || !qc_cuda_type_supported(w_up->type) ||
         w_gate->rows != w_up->rows || w_gate->cols != w_up->cols)
         return qc_cuda_value_error(be, "matmul_swiglu: gate (type %u, %lld x %lld) and up (type %u, %lld x %lld) "
@@ -251,7 +260,15 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
      * its own wait, report 550e506; since the gate/up rows are read ahead into L2 (read_ahead),
      * it is the o projection that lets the norm launch early instead: matmul.cu, matmul_any.) */
     qc_q8x xq = {};
-    if (gate_q8 || up_q8) {
+    /* x's normalised 8-bit form left by the matmul_add before (norm_next): the scale after the
+     * dot products, in the 32-row kernel */
+    const float *norm_ss = NULL;
+    if (q8out && norm_w && norm_of == x && cu->norm_of_w == norm_w && cu->norm_cols == w_gate->cols) {
+        xq = qc_q8x{(const int8_t *)cu->q8x_norm, qc_q8x_ds_at(cu->q8x_norm, 1, w_gate->cols), w_gate->cols,
+                    w_gate->cols / 32};
+        norm_ss = cu->norm_ss;
+        norm_w = NULL;
+    } else if (gate_q8 || up_q8) {
         if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq)
                     : qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq)) < 0)
             return -1;
@@ -276,10 +293,10 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     case T:                                                                                                      \
         if (sh)                                                                                                  \
             qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, true>, grid32, dim3(QC_SWIGLU_Q8_THREADS), shared, Wg,  \
-                      Wu, rb, rows, w_gate->cols, xq, act, act_qs, act_ds);                                      \
+                      Wu, rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds);                        \
         else                                                                                                     \
             qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, false>, grid32, dim3(QC_SWIGLU_Q8_THREADS), 0, Wg, Wu, \
-                      rb, rows, w_gate->cols, xq, act, act_qs, act_ds);                                          \
+                      rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds);                            \
         break;
             QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
 #undef QC_CASE_

@@ -67,6 +67,16 @@ typedef struct qc_cuda {
     /* the 8-bit form of one act row that matmul_swiglu's one-token kernel leaves for the down
      * projection: the second one-token region of q8x, apart from the gate/up GEMV's own input */
     void *q8x_act;
+    /* the normalised 8-bit form of one row that matmul_add's one-token 32-row kernel leaves for
+     * the matmul_swiglu right after it (norm_next, backend.h; matmul.cu): norm_of * norm_of_w
+     * quantized per block of 32 (laid out at q8x_norm, the third one-token region of q8x), each
+     * block's sum of norm_of^2 in norm_ss (QC_Q8X_MAX_COLS / 32 floats, made at creation);
+     * norm_of NULL when there is none. Every matmul sets it; an upload or copy over norm_of, and
+     * the matmul_swiglu that reads it, clear it. */
+    const float *norm_of, *norm_of_w;
+    int64_t norm_cols;
+    void *q8x_norm;
+    float *norm_ss;
     /* the persistent decode kernel (decode_step.cu): whether the device can launch a
      * cooperative grid, and its counters, zeroed at creation and back to zero after every
      * launch: the grid barrier (QC_DEC_SYNC_BARRIER) and one per block of 32 act values */

@@ -430,6 +430,40 @@ __device__ __forceinline__ void qc_gemv_row_either(bool q8, uint32_t type, const
     else qc_gemv_row_any<NT>(type, row, cols, x, n, t0, lane, acc);
 }
 
+/* ---- a norm's scale after the dot products ----
+ * An 8-bit block of v * c (c > 0 a common factor) has the quants of v's block and c times its
+ * d, up to rounding: so an op that normalises x (rmsnorm: x * scale * w) before its 8-bit dot
+ * products may instead take the 8-bit form of x * w, quantized by the op that wrote x, and
+ * multiply its finished dot products by scale. The writer then needs only its own block of 32
+ * values of x, not all of them, and the norm costs no launch (matmul.cu's
+ * qc_gemv_q8_add_norm_kernel, read by matmul_swiglu.cu's 32-row kernel). The values differ
+ * from normalising first only where a quant rounds the other way: within the 8-bit error of
+ * either (qc_q8_quantize_block). ss holds each block's sum of x^2 (qc_norm_block_ss); the
+ * scale is rmsnorm's formula over their sum, added in one fixed order, so every block of
+ * every launch gets the same value. */
+__device__ __forceinline__ float qc_norm_block_ss(float x) {
+    float ss = x * x;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    return ss;   /* lane 0's is the one stored */
+}
+/* In two halves, so that the load of ss (written by a kernel before this one; through L2) is in
+ * flight during the dot products: this lane's block sum (cols <= QC_NORM_SS_MAX_COLS: one a
+ * lane, and no add that would wait for it; a loop of adds made every warp of the 0.5B gate/up
+ * kernel wait an L2 round trip before its dot products, and the step 15% slower), then (every
+ * lane of the warp) the scale, the same value in each. */
+#define QC_NORM_SS_MAX_COLS (32 * 32)
+__device__ __forceinline__ float qc_norm_ss_load(const float *ss, int64_t cols) {
+    const int lane = threadIdx.x & 31;
+    return lane < cols / 32 ? __ldcg(ss + lane) : 0.0f;
+}
+__device__ __forceinline__ float qc_norm_scale_of_ss(float part, int64_t cols, float eps) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+    part = __shfl_sync(0xffffffffu, part, 0);
+    return 1.0f / sqrtf(part / (float)cols + eps);
+}
+
 /* Quantize x (n rows of cols floats, cols a multiple of 32) into the backend's q8 buffer and
  * describe it in *out (matmul.cu). Never allocates: the buffer is made at creation. */
 #define QC_Q8X_MAX_COLS 65536

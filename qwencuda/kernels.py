@@ -38,7 +38,7 @@ from . import _core
 
 __all__ = [
     "Weight", "embed", "dequantize", "rmsnorm", "matmul", "rope", "kv_store", "attention",
-    "swiglu", "add", "argmax", "sample", "matmul_add", "matmul_multi", "matmul_swiglu",
+    "swiglu", "add", "argmax", "sample", "matmul_add", "matmul_add_swiglu", "matmul_multi", "matmul_swiglu",
     "rope_kv_store", "matmul_qkv_rope", "release", "cuda_mem_info", "cuda_device_info", "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
 ]
 
@@ -418,6 +418,27 @@ def matmul_swiglu(w_gate, w_up, x, device="cpu", norm=None, eps=1e-6):
     out = _core.kernel_matmul_swiglu(_device(device), g._arg(), u._arg(), x.reshape(-1, cols),
                                      _norm_arg(norm, cols, "matmul_swiglu"), float(eps))
     return out.reshape(*x.shape[:-1], rows)
+
+
+def matmul_add_swiglu(weight, x, residual, w_gate, w_up, norm, eps=1e-6, device="cpu"):
+    """The forward pass's o projection and feed-forward of one layer, as a decode step runs them:
+    out = matmul_add(weight, x, residual), told that matmul_swiglu(w_gate, w_up, out, norm=norm)
+    comes next (backend.h's norm_next), then that op. Returns (out, act). On CUDA a one-token
+    call of a 32-element 8-bit type hands out's normalised 8-bit form from the first op to the
+    second, which applies the norm's scale after its dot products: out is matmul_add's, bit for
+    bit; act may round differently from matmul_swiglu's, within the 8-bit activation error."""
+    w, g, u = _weight(weight), _weight(w_gate), _weight(w_up)
+    rows, cols = w.shape
+    x = _matmul_x(x, cols, "matmul_add_swiglu")
+    residual = _f32(residual, "residual")
+    if residual.shape != x.shape[:-1] + (rows,):
+        raise ValueError(f"matmul_add_swiglu: residual must have shape {x.shape[:-1] + (rows,)}, got {residual.shape}")
+    if g.shape != u.shape or g.shape[1] != rows:
+        raise ValueError(f"matmul_add_swiglu: gate {g.shape} and up {u.shape} must be (ffn, {rows})")
+    out, act = _core.kernel_matmul_add_swiglu(_device(device), w._arg(), x.reshape(-1, cols),
+                                              residual.reshape(-1, rows), g._arg(), u._arg(),
+                                              _norm_arg(norm, rows, "matmul_add_swiglu"), float(eps))
+    return out.reshape(residual.shape), act.reshape(*x.shape[:-1], g.shape[0])
 
 
 def rope_kv_store(q, k, v, pos, k_cache, v_cache, theta=1e6, device="cpu"):

@@ -7,7 +7,10 @@ attention split with the device functions of the op-by-op kernels, in the same o
 logits must be equal bit for bit (tolerance 0), for every weight type with an 8-bit GEMV,
 head_dim 64 and 128, both cache types, tied and untied embeddings; greedy and sampled tokens
 then follow. Session.last_path says which path ran, so a test cannot pass by comparing the
-op-by-op step with itself. Needs the GPU machine.
+op-by-op step with itself. The sessions compared run with QWENCUDA_NORM_AFTER=0: the kernel
+normalises x before the gate/up dot products, as the op-by-op step does without the o projection's
+hand-off (matmul_add's norm_next, which applies the norm's scale after them and may round
+differently: tests/test_kernels.py, test_matmul_add_swiglu). Needs the GPU machine.
 """
 import os
 
@@ -51,7 +54,8 @@ def synth(tmp_path_factory):
 
 def _session(m, monkeypatch, ops, **kw):
     """A session whose recorded decode step is the persistent kernel, or (ops) op by op."""
-    return session_with_env(m, monkeypatch, {"QWENCUDA_DECODE": None if ops else "persistent"}, **kw)
+    return session_with_env(m, monkeypatch, {"QWENCUDA_DECODE": None if ops else "persistent",
+                                             "QWENCUDA_NORM_AFTER": "0"}, **kw)
 
 
 def _steps(path, monkeypatch, ids, n_prompt, kv_type, max_context=96):

@@ -567,6 +567,53 @@ def test_matmul_swiglu(device, type_name, n):
             np.testing.assert_array_equal(got, unfused)
 
 
+# the decode step's o projection and gate/up: matmul_add told the norm of the matmul_swiglu next
+# (backend.h, norm_next). On CUDA a one-token call of a 32-element 8-bit type hands out's
+# normalised 8-bit form over (x * w quantized by the o projection's 32-row blocks, the norm's
+# scale applied after the gate/up dot products: kernels/qc_gemv_q8.cuh), so act may round
+# differently from matmul_swiglu's but stays within the same 8-bit error; everywhere else the
+# pair is the two ops, bit for bit.
+_HANDED_OVER = ("Q4_0", "Q5_0", "Q8_0")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("shape", ["small", "0.5b"])
+@pytest.mark.parametrize("type_name", ALL_TYPES)
+def test_matmul_add_swiglu(device, type_name, shape, n):
+    dim, ffn = (96, 160) if shape == "small" else (896, 4864)
+    if type_name in KQUANTS:
+        dim = 256 if shape == "small" else 768
+    cols = _default_cols(type_name)
+    w, _ = random_weight(type_name, dim, cols, seed=40)
+    wg, gref = random_weight(type_name, ffn, dim, seed=41)
+    wu, uref = random_weight(type_name, ffn, dim, seed=42)
+    rng = np.random.default_rng(43)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    res = (rng.standard_normal((n, dim)) * 4).astype(np.float32)
+    nw = (1.0 + 0.5 * rng.standard_normal(dim)).astype(np.float32)
+    eps = 1e-6
+    out, act = K.matmul_add_swiglu(w, x, res, wg, wu, nw, eps=eps, device=device)
+    assert out.shape == (n, dim) and act.shape == (n, ffn)
+    np.testing.assert_array_equal(out, K.matmul_add(w, x, res, device=device))
+    plain = K.matmul_swiglu(wg, wu, out, device=device, norm=nw, eps=eps)
+    if not (device == "cuda" and n == 1 and type_name in _HANDED_OVER):
+        np.testing.assert_array_equal(act, plain)
+        return
+    # the float64 reference of norm and gate/up on the op's own out, with test_matmul_swiglu's
+    # error terms for the normalised x (the 8-bit error of x * w, times the scale, is that of
+    # x * scale * w, block by block)
+    o64 = out.astype(np.float64)
+    xn = o64 / np.sqrt(np.mean(o64 * o64, axis=-1, keepdims=True) + eps) * nw
+    g, u = xn @ gref.T, xn @ uref.T
+    sg = 0.5 * (1 + np.tanh(0.5 * g))
+    ref = g * sg * u
+    e_g, e_u = matmul_err(device, type_name, n, xn, gref), matmul_err(device, type_name, n, xn, uref)
+    err = 1.1 * e_g * np.abs(u) + np.abs(g * sg) * e_u + 1.1 * e_g * e_u + 1e-5 * np.abs(ref)
+    check_close(act, ref, err, 1.0, f"matmul_add_swiglu {type_name} {shape} on {device}")
+    # and the two roundings of the same values: no further apart than both errors
+    check_close(act, plain, 2 * err, 1.0, f"matmul_add_swiglu {type_name} {shape} against matmul_swiglu")
+
+
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("positions", ["prefill", "late", "decode"])
 @pytest.mark.parametrize("ratio", [1, 7])

@@ -323,8 +323,10 @@ int qc_cpu_fast_matmul(qc_backend *be, const qc_weight *w, const float *bias, co
 }
 
 int qc_cpu_fast_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
-                           const float *residual, float *out, int x_from_last_op) {
-    (void)x_from_last_op;   /* a CUDA hint: the CPU keeps no 8-bit copy between ops */
+                           const float *residual, float *out, int x_from_last_op,
+                           const float *norm_next) {
+    (void)x_from_last_op;   /* CUDA hints: the CPU keeps no 8-bit copy between ops */
+    (void)norm_next;
     const int64_t row_bytes = check_weight(be, w, -1, n, "matmul_add");
     if (row_bytes < 0) return -1;
     fast_job job = {.be = be, .x = x, .cols = w->cols, .n = n, .n_parts = 1};

@@ -137,9 +137,13 @@ typedef int qc_op_sample(qc_backend *be, const float *logits, int64_t n_vocab, c
  * says that x is the output of the backend op called just before this one (attention, or
  * matmul_swiglu for the down projection), unchanged since: a backend that left x's 8-bit form
  * beside it (CUDA, one token) reads that instead of quantizing x again; the result is the same
- * either way. */
+ * either way. norm_next: the norm weight with which the next op, a matmul_swiglu called right
+ * after this one, normalises out (nothing changing out in between), or NULL: a backend may
+ * leave out's normalised 8-bit form for it (CUDA, one token: the feed-forward norm then costs
+ * no launch, matmul.cu), which changes no value of out but may change the rounding of that op's
+ * act (the norm's scale applied after its dot products: qc_gemv_q8.cuh). */
 typedef int qc_op_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
-                             const float *residual, float *out, int x_from_last_op);
+                             const float *residual, float *out, int x_from_last_op, const float *norm_next);
 /* matmul of one x by n_parts (1..QC_MATMUL_MULTI_MAX) weights with the same cols, each with
  * its own type, rows, bias and output: q, k and v in one launch. The outputs must not
  * overlap x or each other. norm_w: when not NULL, x is first RMS-normalised with it and

@@ -142,6 +142,7 @@ struct qc_session {
     int persistent_decode;    /* QWENCUDA_DECODE=persistent at creation: the one-launch step */
     const char *last_path;    /* how the last eval ran: "ops", "graph" or "persistent" */
     int no_ahead;             /* QWENCUDA_DECODE_AHEAD=0 at creation: no step is run ahead */
+    int no_norm_next;         /* QWENCUDA_NORM_AFTER=0 at creation: matmul_add never told norm_next */
     int ran_ahead;            /* the last eval's step had been queued ahead */
     qc_ahead ahead;
     qc_decode_layer *dec_layers;  /* [n_layer]: the weights and caches of decode_step's plan */
@@ -870,6 +871,10 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
      * measure what running ahead gains) */
     const char *ahead = getenv("QWENCUDA_DECODE_AHEAD");
     s->no_ahead = ahead && strcmp(ahead, "0") == 0;
+    /* QWENCUDA_NORM_AFTER=0: the o projection is not told the feed-forward norm (matmul_add's
+     * norm_next), so the gate/up op normalises x itself, with rmsnorm's bits (to compare) */
+    const char *norm_after = getenv("QWENCUDA_NORM_AFTER");
+    s->no_norm_next = norm_after && strcmp(norm_after, "0") == 0;
     s->last_path = NULL;
     s->dec_takes[0] = s->dec_takes[1] = -1;
     s->kv = calloc((size_t)c->n_layer, sizeof *s->kv);
@@ -1193,7 +1198,11 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
             const qc_weight *const ahead[2] = {&L->w_gate, &L->w_up};
             OP(op->read_ahead(be, ahead, 2));
         }
-        OP(op->matmul_add(be, &L->wo, sc->att, nc, sc->x, sc->x, att_from_last_op));
+        /* and the feed-forward norm, which the gate/up op applies to x next: a backend may
+         * leave x's normalised 8-bit form for it (unless a patch of resid_mid comes between) */
+        const float *norm_next =
+            fuse_ffn_norm && !s->no_norm_next && !layer_patched(s, l, L_RESID_MID) ? L->ffn_norm : NULL;
+        OP(op->matmul_add(be, &L->wo, sc->att, nc, sc->x, sc->x, att_from_last_op, norm_next));
     } else {
         OP(op->matmul(be, &L->wo, NULL, sc->att, nc, sc->y));
         CAPTURE(observe_layer(s, p, l, L_ATTN_PROJ, sc->y, c0, nc, dim, err));
@@ -1224,7 +1233,7 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
      * gate/up op unless a patch replaced it */
     if (fuse_down) {
         const int act_from_last_op = fuse_gate_up && !layer_patched(s, l, L_FFN_ACT);
-        OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x, act_from_last_op));
+        OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x, act_from_last_op, NULL));
     } else {
         OP(op->matmul(be, &L->w_down, NULL, sc->act, nc, sc->y));
         CAPTURE(observe_layer(s, p, l, L_FFN_OUT, sc->y, c0, nc, dim, err));

@@ -485,7 +485,7 @@ typedef struct {
 static int op_matmul_add(qc_backend *be, void *p) {
     matmul_add_args *a = p;
     return be->ops->matmul_add(be, a->w, a->x.dev, a->n, a->residual.dev,
-                               a->in_place ? a->residual.dev : a->out.dev, 0);
+                               a->in_place ? a->residual.dev : a->out.dev, 0, NULL);
 }
 
 static PyObject *kernel_matmul_add(PyObject *self, PyObject *args) {
@@ -732,6 +732,65 @@ static PyObject *kernel_matmul_swiglu(PyObject *self, PyObject *args) {
     kernel_job j = {.op = op_matmul_swiglu, .args = &a, .arrays = {&a.x, &a.out, norm ? &a.norm : NULL},
                     .w = {wg, wu}, .empty = shape[0] == 0};
     if (run_job(c, &j) == 0) res = new_ref(out);
+done:
+    release_held(&h);
+    return res;
+}
+
+/* The forward pass's o projection and gate/up of one layer: matmul_add told the norm of the
+ * matmul_swiglu after it (norm_next), then that op on its output. */
+typedef struct {
+    const qc_weight *w, *gate, *up;
+    job_array x, residual, norm, act;
+    int n;
+    float eps;
+} matmul_add_swiglu_args;
+
+static int op_matmul_add_swiglu(qc_backend *be, void *p) {
+    matmul_add_swiglu_args *a = p;
+    float *resid = a->residual.dev;
+    if (be->ops->matmul_add(be, a->w, a->x.dev, a->n, resid, resid, 0, a->norm.dev) < 0) return -1;
+    return be->ops->matmul_swiglu(be, a->gate, a->up, resid, a->n, a->norm.dev, a->eps, a->act.dev);
+}
+
+static PyObject *kernel_matmul_add_swiglu(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *wobj, *xobj, *robj, *gobj, *uobj, *nobj, *res = NULL;
+    float eps;
+    held h = {0};
+    qc_weight *w, *wg, *wu;
+    cached_backend *c;
+    PyArrayObject *x, *resid, *out, *act, *norm;
+    if (!PyArg_ParseTuple(args, "sOOOOOOf", &device, &wobj, &xobj, &robj, &gobj, &uobj, &nobj, &eps)) return NULL;
+    if ((w = hold_weight(&h, wobj)) == NULL || (wg = hold_weight(&h, gobj)) == NULL ||
+        (wu = hold_weight(&h, uobj)) == NULL || (c = get_backend(device)) == NULL ||
+        (x = hold(&h, matmul_x(xobj, w->cols, "matmul_add_swiglu"))) == NULL ||
+        (resid = hold(&h, as_array(robj, NPY_FLOAT32, 2, "matmul_add_swiglu residual"))) == NULL)
+        goto done;
+    if (PyArray_DIM(resid, 0) != PyArray_DIM(x, 0) || PyArray_DIM(resid, 1) != w->rows || wg->cols != w->rows ||
+        wg->rows != wu->rows || wg->cols != wu->cols) {
+        PyErr_Format(PyExc_ValueError, "matmul_add_swiglu: residual (%zd, %zd), gate (%lld, %lld) and up (%lld, %lld) "
+                     "do not fit x (%zd, %lld) and a weight of %lld rows",
+                     (Py_ssize_t)PyArray_DIM(resid, 0), (Py_ssize_t)PyArray_DIM(resid, 1), (long long)wg->rows,
+                     (long long)wg->cols, (long long)wu->rows, (long long)wu->cols, (Py_ssize_t)PyArray_DIM(x, 0),
+                     (long long)w->cols, (long long)w->rows);
+        goto done;
+    }
+    npy_intp act_shape[2] = {PyArray_DIM(x, 0), (npy_intp)wg->rows};
+    if ((out = hold(&h, new_array(NPY_FLOAT32, 2, PyArray_DIMS(resid)))) == NULL ||
+        (act = hold(&h, new_array(NPY_FLOAT32, 2, act_shape))) == NULL ||
+        norm_arg(&h, nobj, w->rows, "matmul_add_swiglu norm", &norm) < 0)
+        goto done;
+    if (norm == NULL) {
+        PyErr_SetString(PyExc_ValueError, "matmul_add_swiglu: a norm weight is required");
+        goto done;
+    }
+    matmul_add_swiglu_args a = {.w = w, .gate = wg, .up = wu, .x = arr_in(x), .residual = arr_inout(resid, out),
+                                .norm = arr_in(norm), .act = arr_out(act), .n = (int)act_shape[0], .eps = eps};
+    kernel_job j = {.op = op_matmul_add_swiglu, .args = &a, .arrays = {&a.x, &a.residual, &a.norm, &a.act},
+                    .w = {w, wg, wu}, .empty = act_shape[0] == 0};
+    if (run_job(c, &j) == 0) res = Py_BuildValue("(OO)", (PyObject *)out, (PyObject *)act);
 done:
     release_held(&h);
     return res;
@@ -1359,6 +1418,9 @@ static PyMethodDef kernel_methods[] = {
      "kernel_matmul_multi(device, (weight, ...), x (n, cols), (bias or None, ...)) -> (x @ W_i^T + b_i, ...)"},
     {"kernel_matmul_swiglu", kernel_matmul_swiglu, METH_VARARGS,
      "kernel_matmul_swiglu(device, gate weight, up weight, x (n, cols)) -> silu(x @ Wg^T) * (x @ Wu^T)"},
+    {"kernel_matmul_add_swiglu", kernel_matmul_add_swiglu, METH_VARARGS,
+     "kernel_matmul_add_swiglu(device, weight, x (n, cols), residual (n, rows), gate weight, up weight, norm (rows,), "
+     "eps) -> (residual + x @ W^T, matmul_swiglu of that with norm): matmul_add told the norm next"},
     {"kernel_matmul_qkv_rope", kernel_matmul_qkv_rope, METH_VARARGS,
      "kernel_matmul_qkv_rope(device, (wq, wk, wv), x (n, cols), (bq, bk, bv), pos (n,), k_cache, v_cache, head_dim, "
      "theta[, norm, eps]) -> (q, k, v, k_cache, v_cache)"},
