@@ -305,13 +305,13 @@ static int matmul_cublas(qc_backend *be, const qc_weight *w, const float *bias, 
 }
 
 /* Where matmul_add leaves out's normalised 8-bit form (qc_gemv_q8_add_norm_kernel): one token
- * added in place to the residual stream, a 32-element 8-bit type and whole blocks of 32 rows
- * (the session passes norm_next unless QWENCUDA_NORM_AFTER=0 made it). Measured on the H100 (real file, one lease,
- * as an experiment): the feed-forward norm's launch gone, 1749-1781 -> 1849-1852 tok/s at 512
- * keys and 1559-1572 -> 1645-1659 at 2560 (bench/results/20261125-*). */
-static int add_norm_takes(const qc_cuda *cu, const qc_weight *w, int n, const float *residual, const float *out) {
+ * added in place to the residual stream, a 32-element 8-bit type, whole blocks of 32 rows and
+ * at most QC_NORM_SS_MAX_COLS of them (the session passes norm_next unless QWENCUDA_NORM_AFTER=0
+ * made it). The 0.5B decode step loses the feed-forward norm's 24 launches: H100, real file,
+ * same-lease A/B against 1d69d31, 1768-1798 -> 1858-1867 tok/s at 512 keys and 1576-1578 ->
+ * 1647-1656 at 2560 (bench/results/20261124-dbed2c2-*, addendum). */
+static int add_norm_takes(const qc_weight *w, int n, const float *residual, const float *out) {
     const uint32_t t = w->type;
-    (void)cu;
     return n == 1 && residual == out && (t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0) &&
            w->rows % QC_ADD_NORM_ROWS == 0 && w->rows <= QC_NORM_SS_MAX_COLS &&
            qc_shared_copy_bytes(QC_ADD_NORM_ROWS * qc_row_bytes(t, w->cols)) <= QC_SHARED_COPY_MAX;
@@ -370,14 +370,14 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
         else if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0)
             return -1;
         /* The o projection (x the attention's output, its 8-bit form handed over in q8x) lets the
-         * next kernel, the feed-forward norm, launch before its own wait: the norm's few blocks
-         * (7 at 0.5B) are then placed while the projection runs and pass their wait as soon as it
-         * ends (the norm no longer launches the gate/up kernel early in turn). H100, real file,
-         * same-lease A/B against the norm launching gate/up early: 1777-1796 -> 1794-1810 tok/s
-         * at 512 keys, 1562-1573 -> 1577-1591 at 2560 (bench/results/20261124-e49438a-*,
-         * addendum). */
+         * next kernel launch before its own wait: the feed-forward norm, whose few blocks (7 at
+         * 0.5B) are then placed while the projection runs and pass their wait as soon as it ends
+         * (H100, real file, same-lease A/B against the norm launching gate/up early: 1777-1796 ->
+         * 1794-1810 tok/s at 512 keys, 1562-1573 -> 1577-1591 at 2560, bench/results/
+         * 20261124-e49438a-*, addendum); or, after qc_gemv_q8_add_norm_kernel, the gate/up
+         * kernel itself, whose rows then move into its shared memory during the projection. */
         const int launch_next = handed && cu->q8x_of_at == cu->q8x;
-        if (norm_next && add_norm_takes(cu, w, n, residual, out)) {
+        if (norm_next && add_norm_takes(w, n, residual, out)) {
             launch_add_norm(w, xq, residual, out, norm_next, ahead, launch_next, cu);
             if (QC_LAUNCHED(be, "qc_gemv_q8_add_norm_kernel") < 0) return -1;
             cu->norm_of = out;

@@ -12,7 +12,9 @@
  * weight with an 8-bit GEMV reads x normalised and quantized once by the launcher, a float one
  * x normalised in shared memory (decode) or in a scratch buffer. One token of a 0.5B-like
  * shape takes qc_gemv_q8_swiglu_q8out_kernel, 32 rows a block, which also leaves act's 8-bit
- * form for the down projection.
+ * form for the down projection; when the matmul_add before it left x's normalised 8-bit form
+ * (norm_next, backend.h), that kernel reads it and applies the norm's scale after its dot
+ * products (qc_gemv_q8.cuh), and the norm costs no launch.
  *
  * Prefill (n > QC_GEMV_MAX_TOKENS): those three ops, with gate in act and up in a backend
  * scratch buffer (grown outside the decode path, like matmul's).

@@ -245,8 +245,8 @@ __device__ __forceinline__ void qc_grid_start() {
 }
 
 /* Let the next kernel launch now, before this one's qc_grid_start: for a kernel whose successor
- * needs the time to be placed (the o projection before the feed-forward norm, matmul.cu's
- * matmul_any). Three grids are then in flight; each still waits in qc_grid_start for the one
+ * needs the time to be placed (the o projection before the feed-forward norm or the gate/up
+ * kernel, matmul.cu's matmul_any). Three grids are then in flight; each still waits in qc_grid_start for the one
  * before it, which finishes only after its own wait, so the order of their reads and writes is
  * unchanged. Elsewhere it was slower: after the attention norm, the q/k/v kernel's blocks came
  * 21 us a step earlier but the attention's clusters after it were placed late, -1% at 512 keys

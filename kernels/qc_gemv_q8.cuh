@@ -12,7 +12,9 @@
  * qc_q8_quantize_ref: per block of 32, d = max|x| / 127, q = x / d rounded to nearest even,
  * s = d * sum(q)), by qc_q8_quantize_block below, into the backend's buffer once per op
  * (matmul.cu: qc_cuda_quantize_q8, or qc_cuda_norm_quantize_q8 after the fused ops' norm, with
- * rmsnorm's bits): the fused ops equal their unfused sequences bit for bit.
+ * rmsnorm's bits): the fused ops equal their unfused sequences bit for bit, but for a decode
+ * step's feed-forward norm handed over by the o projection (below, "a norm's scale after the
+ * dot products"), which rounds within the same error.
  * The error is the CPU's: each x[i] moves by at most max|x_block| / 254 (tests/test_kernels.py
  * checks that bound). Device "cuda:float" (or "cuda:N:float") keeps the float GEMV: the exact
  * path, as "cpu:float" is the CPU's.

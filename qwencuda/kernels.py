@@ -28,7 +28,10 @@ Numerics of the CUDA backend (tests/test_kernels.py states the tolerances):
 The fused ops (matmul_add, matmul_multi, matmul_swiglu, rope_kv_store, matmul_qkv_rope) compute what their
 unfused sequences compute, with the same float operations: bit-identical on the CPU, and on CUDA
 wherever the GEMV runs (n <= GEMV_MAX_TOKENS); matmul_add's cuBLAS path adds the residual inside
-the GEMM (beta = 1), which may round differently from a separate add.
+the GEMM (beta = 1), which may round differently from a separate add. matmul_add_swiglu runs the
+decode step's o projection and gate/up as the forward pass does: its act may round differently
+from matmul_swiglu's on CUDA (the norm's scale applied after the dot products), within the 8-bit
+activation error.
 """
 from __future__ import annotations
 

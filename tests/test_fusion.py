@@ -8,9 +8,13 @@ Tolerances, and why:
   - CPU: exact. Every fused op computes its sequence's float operations in the same order
     (csrc/cpu/cpu_ops.c), so fused and unfused evals agree bit for bit.
   - CUDA: max |fused - unfused| <= CUDA_TOL * max |unfused|. The GEMV paths (n <= 8 tokens)
-    are bit-identical too, but matmul_add's cuBLAS path (prefill) adds the residual inside the
-    GEMM (beta = 1), which may round differently from a separate add; one float32 ulp there,
-    carried through f16 tensor-core inputs and Qwen2's large q/k biases, stays far below 1e-3.
+    are bit-identical too, but in two places: matmul_add's cuBLAS path (prefill) adds the
+    residual inside the GEMM (beta = 1), which may round differently from a separate add (one
+    float32 ulp there, carried through f16 tensor-core inputs and Qwen2's large q/k biases, stays
+    far below 1e-3); and a decode step of Q4_0/Q5_0/Q8_0 weights hands the feed-forward norm from
+    the o projection to gate/up as x * weight in 8 bits, its scale applied after the dot products
+    (matmul_add's norm_next), where a quant may round the other way: within the 8-bit error
+    (tests/test_kernels.py, test_matmul_add_swiglu), below 1e-3 of the logits here.
 """
 import numpy as np
 import pytest

@@ -24,8 +24,12 @@
  * folded in, RoPE with the cache write, residual adds in the matmul epilogues, gate/up with
  * SwiGLU and the feed-forward norm folded in) wherever the eval captures none of the
  * intermediates they skip; elsewhere it runs the unfused sequence, which computes the same
- * numbers (bit for bit but in the CUDA prefill's GEMM epilogue), so a capture does not change
- * what it observes.
+ * numbers, bit for bit but in two places: the CUDA prefill's GEMM epilogue, and the CUDA decode
+ * step's feed-forward norm, which the o projection hands to gate/up as x * weight in 8 bits with
+ * the norm's scale applied after the dot products (matmul_add's norm_next, backend.h; within the
+ * 8-bit activation error, tests/test_kernels.py). Capturing ffn_norm (or patching resid_mid)
+ * turns that hand-off off for its layer, whose later tensors then round that way; no other
+ * capture changes a number.
  */
 #include "session.h"
 
