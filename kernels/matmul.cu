@@ -110,7 +110,7 @@ template <int T, bool SH>
 __global__ void __launch_bounds__(QC_ADD_NORM_THREADS)
 qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t cols, const qc_q8x xq,
                            const float *residual, float *out, const float *__restrict__ norm_w, int8_t *qs,
-                           float2 *ds, float *ss, const qc_l2_ahead ahead, int launch_next) {
+                           float2 *ds, float *ss, const qc_l2_ahead ahead) {
     __shared__ float out_s[QC_ADD_NORM_ROWS];
     extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -120,7 +120,6 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
     else qc_prefetch_l2(rows, QC_ADD_NORM_ROWS * row_bytes);
     const float w = __ldg(norm_w + r0 + lane);   /* a weight: before the wait */
     qc_l2_ahead_issue(ahead);
-    if (launch_next) qc_grid_launch_next();
     qc_grid_start();
     if constexpr (SH) qc_copy_wait();
     const int64_t i = 4 * warp;   /* this warp's rows r0 + i .. r0 + i + 3 */
@@ -318,14 +317,14 @@ static int add_norm_takes(const qc_weight *w, int n, const float *residual, cons
 }
 
 static void launch_add_norm(const qc_weight *w, const qc_q8x &xq, const float *residual, float *out,
-                            const float *norm_w, const qc_l2_ahead &ahead, int launch_next, qc_cuda *cu) {
+                            const float *norm_w, const qc_l2_ahead &ahead, qc_cuda *cu) {
     const int64_t rb = qc_row_bytes(w->type, w->cols);
     const dim3 grid((unsigned)(w->rows / QC_ADD_NORM_ROWS)), block(QC_ADD_NORM_THREADS);
     int8_t *qs = (int8_t *)cu->q8x_norm;
     float2 *ds = qc_q8x_ds_at(cu->q8x_norm, 1, w->rows);
     const uint8_t *W = (const uint8_t *)w->data;
     const size_t shared = cu->w_shared ? qc_shared_copy_bytes(QC_ADD_NORM_ROWS * rb) : 0;
-#define QC_ARGS_ W, rb, w->cols, xq, residual, out, norm_w, qs, ds, cu->norm_ss, ahead, launch_next
+#define QC_ARGS_ W, rb, w->cols, xq, residual, out, norm_w, qs, ds, cu->norm_ss, ahead
     switch (w->type) {
 #define QC_CASE_(T)                                                                                          \
     case T:                                                                                                  \
@@ -374,11 +373,14 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
          * 0.5B) are then placed while the projection runs and pass their wait as soon as it ends
          * (H100, real file, same-lease A/B against the norm launching gate/up early: 1777-1796 ->
          * 1794-1810 tok/s at 512 keys, 1562-1573 -> 1577-1591 at 2560, bench/results/
-         * 20261124-e49438a-*, addendum); or, after qc_gemv_q8_add_norm_kernel, the gate/up
-         * kernel itself, whose rows then move into its shared memory during the projection. */
+         * 20261124-e49438a-*, addendum). qc_gemv_q8_add_norm_kernel, which leaves no norm
+         * launch, does not let the gate/up kernel launch early: its 152 blocks were then placed
+         * during the attention, whose share of a step rose 108 -> 127 us; same-lease A/B on the
+         * real file, 1853-1881 -> 1901-1911 tok/s at 512 keys, 1654-1670 -> 1663-1668 at 2560
+         * (bench/results/20261124-dbed2c2-*, addendum). */
         const int launch_next = handed && cu->q8x_of_at == cu->q8x;
         if (norm_next && add_norm_takes(w, n, residual, out)) {
-            launch_add_norm(w, xq, residual, out, norm_next, ahead, launch_next, cu);
+            launch_add_norm(w, xq, residual, out, norm_next, ahead, cu);
             if (QC_LAUNCHED(be, "qc_gemv_q8_add_norm_kernel") < 0) return -1;
             cu->norm_of = out;
             cu->norm_of_w = norm_next;
