@@ -377,7 +377,7 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
          * launch, does not let the gate/up kernel launch early: its 152 blocks were then placed
          * during the attention, whose share of a step rose 108 -> 127 us; same-lease A/B on the
          * real file, 1853-1881 -> 1901-1911 tok/s at 512 keys, 1654-1670 -> 1663-1668 at 2560
-         * (bench/results/20261124-dbed2c2-*, addendum). */
+         * (bench/results/20261124-dc7e3b6-*, addendum). */
         const int launch_next = handed && cu->q8x_of_at == cu->q8x;
         if (norm_next && add_norm_takes(w, n, residual, out)) {
             launch_add_norm(w, xq, residual, out, norm_next, ahead, cu);
