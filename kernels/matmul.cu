@@ -317,7 +317,7 @@ static int add_norm_takes(const qc_weight *w, int n, const float *residual, cons
 }
 
 static void launch_add_norm(const qc_weight *w, const qc_q8x &xq, const float *residual, float *out,
-                            const float *norm_w, const qc_l2_ahead &ahead, qc_cuda *cu) {
+                            const float *norm_w, const qc_l2_ahead &ahead, const qc_cuda *cu) {
     const int64_t rb = qc_row_bytes(w->type, w->cols);
     const dim3 grid((unsigned)(w->rows / QC_ADD_NORM_ROWS)), block(QC_ADD_NORM_THREADS);
     int8_t *qs = (int8_t *)cu->q8x_norm;

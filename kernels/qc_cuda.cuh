@@ -71,8 +71,8 @@ typedef struct qc_cuda {
      * the matmul_swiglu right after it (norm_next, backend.h; matmul.cu): norm_of * norm_of_w
      * quantized per block of 32 (laid out at q8x_norm, the third one-token region of q8x), each
      * block's sum of norm_of^2 in norm_ss (QC_Q8X_MAX_COLS / 32 floats, made at creation);
-     * norm_of NULL when there is none. Every matmul sets it; an upload or copy over norm_of, and
-     * the matmul_swiglu that reads it, clear it. */
+     * norm_of NULL when there is none. Every matmul and matmul_add clears it or (norm_next) sets
+     * it; an upload or copy over norm_of, and the matmul_swiglu after it, clear it. */
     const float *norm_of, *norm_of_w;
     int64_t norm_cols;
     void *q8x_norm;
@@ -245,8 +245,8 @@ __device__ __forceinline__ void qc_grid_start() {
 }
 
 /* Let the next kernel launch now, before this one's qc_grid_start: for a kernel whose successor
- * needs the time to be placed (the o projection before the feed-forward norm or the gate/up
- * kernel, matmul.cu's matmul_any). Three grids are then in flight; each still waits in qc_grid_start for the one
+ * needs the time to be placed (the o projection before the feed-forward norm, matmul.cu's
+ * matmul_any). Three grids are then in flight; each still waits in qc_grid_start for the one
  * before it, which finishes only after its own wait, so the order of their reads and writes is
  * unchanged. Elsewhere it was slower: after the attention norm, the q/k/v kernel's blocks came
  * 21 us a step earlier but the attention's clusters after it were placed late, -1% at 512 keys
