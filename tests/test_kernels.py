@@ -724,6 +724,19 @@ def test_fused_argument_errors():
         K.matmul_multi([w, w], x, [None, np.zeros(3, np.float32)])
     with pytest.raises(ValueError, match="differ in shape"):
         K.matmul_swiglu(w, w2, x)
+    # matmul_add_swiglu: w is (4, 64), so gate and up take 4 columns; a Q8_0 row needs 32
+    wg, _ = random_weight("F32", 6, 4)
+    res, nw = np.zeros((2, 4), np.float32), np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="residual"):
+        K.matmul_add_swiglu(w, x, np.zeros((2, 5), np.float32), wg, wg, nw)
+    with pytest.raises(ValueError, match="gate"):
+        K.matmul_add_swiglu(w, x, res, w2, w2, nw)
+    with pytest.raises(ValueError, match="norm"):
+        K.matmul_add_swiglu(w, x, res, wg, wg, np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="norm weight is required"):
+        qwencuda._core.kernel_matmul_add_swiglu("cpu", w._arg(), x, res, wg._arg(), wg._arg(), None, 1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        qwencuda._core.kernel_matmul_add_swiglu("cpu", w._arg(), x, res, w2._arg(), w2._arg(), nw, 1e-6)
     q, kv = np.zeros((1, 4, 8), np.float32), np.zeros((1, 2, 8), np.float32)
     with pytest.raises(ValueError, match="positions"):
         K.rope_kv_store(q, kv, kv, [3], np.zeros((3, 16), np.float32), np.zeros((3, 16), np.float32))
