@@ -267,11 +267,13 @@ __device__ __forceinline__ void qc_grid_launch_next() {
  * its rows from L2 (the gate/up kernel's 152 blocks move 5.9 MB at once). What it gave there:
  * the gate/up, o and down kernels' share of a real-file step fell 232 -> 193 us, but the
  * norm-and-quantize kernels after them grew 95 -> 120 us, and the step is even with the build
- * before within noise. Folding those norms into the GEMVs was slower both ways tried (each block
- * of the q/k/v and gate/up kernels normalising for itself, -6%; the o projection's last block
- * normalising for the gate/up kernel, -11%: bench/results/20261124-550e506-*, addendum); what
- * paid was launching the gate/up kernel early, whose copies then ran under the o projection
- * (550e506), and later reading its rows ahead into L2 (read_ahead, d903914).
+ * before within noise. Folding those norms into the GEMVs was slower both ways tried then (each
+ * block of the q/k/v and gate/up kernels normalising for itself, -6%; the o projection's last
+ * block normalising for the gate/up kernel, -11%: bench/results/20261124-550e506-*, addendum);
+ * what paid was launching the gate/up kernel early, whose copies then ran under the o projection
+ * (550e506), later reading its rows ahead into L2 (read_ahead, d903914), and at last the o
+ * projection's 32-row blocks handing over the norm's 8-bit input with its scale applied after
+ * gate/up (matmul.cu, qc_gemv_q8_add_norm_kernel; dbed2c2).
  * qc_copy_to_shared copies global bytes [src, src + bytes) to shared memory at dst + (src % 16),
  * which it returns (the same 16-byte phase, so 16-byte copies line up; dst is 16-byte aligned
  * with bytes + 16 of room), by the block's threads: cp.async (sm_80+, no register holds the bytes)

@@ -352,6 +352,14 @@ def _matmul_x(x, cols, op):
     return x
 
 
+def _residual_arg(residual, x, rows, op):
+    """The residual stream of a matmul_add of x (..., cols) by a weight of rows rows."""
+    residual = _f32(residual, "residual")
+    if residual.shape != x.shape[:-1] + (rows,):
+        raise ValueError(f"{op}: residual must have shape {x.shape[:-1] + (rows,)}, got {residual.shape}")
+    return residual
+
+
 def matmul_add(weight, x, residual, device="cpu", in_place=True):
     """residual + x @ W.T (matmul then add, in one op): x (..., cols), residual (..., rows).
 
@@ -360,9 +368,7 @@ def matmul_add(weight, x, residual, device="cpu", in_place=True):
     w = _weight(weight)
     rows, cols = w.shape
     x = _matmul_x(x, cols, "matmul_add")
-    residual = _f32(residual, "residual")
-    if residual.shape != x.shape[:-1] + (rows,):
-        raise ValueError(f"matmul_add: residual must have shape {x.shape[:-1] + (rows,)}, got {residual.shape}")
+    residual = _residual_arg(residual, x, rows, "matmul_add")
     out = _core.kernel_matmul_add(_device(device), w._arg(), x.reshape(-1, cols), residual.reshape(-1, rows),
                                   bool(in_place))
     return out.reshape(residual.shape)
@@ -433,9 +439,7 @@ def matmul_add_swiglu(weight, x, residual, w_gate, w_up, norm, eps=1e-6, device=
     w, g, u = _weight(weight), _weight(w_gate), _weight(w_up)
     rows, cols = w.shape
     x = _matmul_x(x, cols, "matmul_add_swiglu")
-    residual = _f32(residual, "residual")
-    if residual.shape != x.shape[:-1] + (rows,):
-        raise ValueError(f"matmul_add_swiglu: residual must have shape {x.shape[:-1] + (rows,)}, got {residual.shape}")
+    residual = _residual_arg(residual, x, rows, "matmul_add_swiglu")
     if g.shape != u.shape or g.shape[1] != rows:
         raise ValueError(f"matmul_add_swiglu: gate {g.shape} and up {u.shape} must be (ffn, {rows})")
     out, act = _core.kernel_matmul_add_swiglu(_device(device), w._arg(), x.reshape(-1, cols),
