@@ -114,47 +114,8 @@ qc_attention_split_kernel(const float *__restrict__ q, const KV *__restrict__ k_
                                     &last_block);
 }
 
-/* The same splits, merged without a round trip through global memory (sm_90 thread-block
- * clusters): the QC_ATT_SPLITS splits of a (head, token) are the QC_ATT_CLUSTER blocks of one
- * cluster, QC_ATT_CLUSTER_SPLITS splits a block (QC_ATT_SPLIT_THREADS threads each, computing
- * exactly what the split kernel's blocks do). Each block copies its splits' partials into block
- * 0's shared memory (distributed shared memory), arrives at the cluster barrier and leaves;
- * block 0 waits there for all of them and merges the partials from its own shared memory with
- * qc_att_merge_splits.
- * Why: the split kernel's merge is a chain of L2 round trips (the partial's write and fence,
- * the counter's atomic, the partials' reads) after the keys; a decode step runs it once a
- * layer. An earlier form left each partial in its own block, so block 0 read 32 splits' values
- * across the cluster and every block waited at a second barrier until it had: %globaltimer
- * stamps of a 0.5B step on the H100 put 1.3 us on that merge and 0.6 us on the second barrier
- * (bench/results/20261124-d82da0b-*); this form took the attention's share of a real-file step
- * from 133.5 to 116.9 us (20261124-550e506-*, addendum). Same bits as the split kernel (the
- * persistent decode kernel's): the same partials, merged in the same order. */
-#define QC_ATT_CLUSTER_SPLITS 4
-#define QC_ATT_CLUSTER (QC_ATT_SPLITS / QC_ATT_CLUSTER_SPLITS)   /* 8: the portable most */
-static_assert(QC_ATT_SPLITS % QC_ATT_CLUSTER_SPLITS == 0 && QC_ATT_CLUSTER <= 8, "a portable cluster");
-
-/* Floats of the cluster kernel's dynamic shared memory: per split of the block, its groups'
- * publish area (qc_att_split_partial's pub), then a partial for every split of the cluster
- * (block b's own at splits 4b .. 4b + 3; block 0 receives them all). */
-static inline size_t qc_att_cluster_floats(int G, int head_dim) {
-    return (size_t)QC_ATT_CLUSTER_SPLITS * (size_t)(QC_ATT_SPLIT_THREADS / G) * (2 + head_dim) +
-           (size_t)QC_ATT_SPLITS * (head_dim + 2);
-}
-
-/* Keys held in registers before the wait: the K and V rows of the keys before the eval's
- * positions were written by earlier evals, not by any kernel of this one (only its new keys' rows
- * are: the q/k/v kernel just before), and every kernel before the q/k/v kernel has finished when
- * this one launches (the q/k/v kernel lets it launch only after its own wait). So each group
- * loads the rows of its first QC_ATT_HELD keys (of every 256 at head_dim 64: all of them up to
- * 512 keys) while the q/k/v kernel still runs, and after the wait its loop starts with them
- * instead of with a round trip to L2. H100, real 0.5B file, one lease (bench/results/
- * 20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
- * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
- * thread) -3.5%; a copy of the keys into 96 KB of shared memory 1669-1686 tok/s at 512 keys,
- * against 1750 before it in the session's other leases (the blocks placed later).
- * QWENCUDA_ATTENTION_HOLD=0 holds none, to compare: the same bits. */
-#define QC_ATT_HELD 2
-
+/* The same splits merged in the shared memory of a thread-block cluster (qc_attention.cuh,
+ * "split-K in thread-block clusters", says how and why): one cluster per (head, token). */
 template <int G, typename KV, int HD>
 __global__ void __launch_bounds__(QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS)
 qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
@@ -165,12 +126,10 @@ qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ 
     extern __shared__ float smem[];
     __shared__ float weight[32];
     constexpr int pub_floats = (QC_ATT_SPLIT_THREADS / G) * (2 + HD);
-    constexpr int mine_floats = QC_ATT_CLUSTER_SPLITS * (HD + 2);   /* a block's partials */
     const int h = blockIdx.x, t = blockIdx.z;
     const int sub = threadIdx.x / QC_ATT_SPLIT_THREADS, tid = threadIdx.x % QC_ATT_SPLIT_THREADS;
     const int split = blockIdx.y * QC_ATT_CLUSTER_SPLITS + sub;
-    cg::cluster_group cluster = cg::this_cluster();
-    const unsigned rank = cluster.block_rank();   /* = blockIdx.y: the cluster spans the grid's y */
+    const unsigned rank = cg::this_cluster().block_rank();   /* = blockIdx.y: the cluster spans the grid's y */
     float *parts = smem + QC_ATT_CLUSTER_SPLITS * pub_floats;   /* every split's partial, split by split */
     /* barrier phase 1, arrival: this block has started (another block may write into block 0's
      * shared memory only once block 0 runs, so every block waits for phase 1 before it does) */
@@ -190,24 +149,9 @@ qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ 
                                                    smem + sub * pub_floats, tid, &held);
     __syncthreads();   /* this block's partials complete */
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-    if (rank != 0) {
-        /* where qc_att_split_partial left them: splits 4 rank .. 4 rank + 3 */
-        float *mine = parts + rank * mine_floats, *to = cluster.map_shared_rank(mine, 0);
-        for (int i = threadIdx.x; i < mine_floats; i += blockDim.x) to[i] = mine[i];
-    }
-    /* phase 2: the partials written and visible to block 0 (release, acquire); nothing reads the
-     * other blocks' shared memory, so they leave */
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-    if (rank != 0) return;
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-    const int64_t pair = (int64_t)t * n_head + h;
-    qc_att_merge_splits([&](int s, int i) { return parts[s * (HD + 2) + i]; }, QC_ATT_SPLITS, HD, out + pair * HD,
-                        weight, out_qs ? out_qs + pair * HD : nullptr, out_ds ? out_ds + pair * HD / 32 : nullptr);
+    qc_att_cluster_merge<HD>(parts, rank, (int64_t)t * n_head + h, out, out_qs, out_ds, weight);
 #endif
 }
-
-/* Whether the cluster kernel takes this head_dim (the two of Qwen2, with their G). */
-static inline int cluster_takes(int G, int head_dim) { return (G == 16 && head_dim == 64) || (G == 32 && head_dim == 128); }
 
 template <typename KV>
 static void launch_cluster(int G, int head_dim, dim3 grid, const qc_cuda *cu, const float *q, const KV *k_cache,
@@ -308,7 +252,7 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         const int with_q8 = n == 1 && cu->gemv_q8 && head_dim % 32 == 0 && q_dim <= QC_Q8X_MAX_COLS;
         int8_t *out_qs = with_q8 ? (int8_t *)cu->q8x : nullptr;
         float2 *out_ds = with_q8 ? qc_q8x_ds_at(cu->q8x, 1, q_dim) : nullptr;
-        if (cu->clusters && cluster_takes(G, head_dim)) {
+        if (cu->clusters && qc_att_cluster_takes(G, head_dim)) {
             if (cache.type == QC_KV_F16)
                 launch_cluster<__half>(G, head_dim, grid, cu, q, (const __half *)cache.k, (const __half *)cache.v, pos,
                                        n_head, n_head_kv, scale, out, out_qs, out_ds);

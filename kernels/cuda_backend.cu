@@ -116,6 +116,7 @@ static int cu_upload(qc_backend *be, void *dst, const void *host_src, size_t byt
      * host_src at once. dst may be an activation whose 8-bit form q8x held: no longer. */
     qc_cuda_of(be)->q8x_of = NULL;
     forget_norm_of(qc_cuda_of(be), dst, bytes);
+    qc_cuda_forget_rope(qc_cuda_of(be));
     return QC_CUDA(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, qc_cuda_of(be)->stream));
 }
 
@@ -132,6 +133,7 @@ static int cu_copy(qc_backend *be, void *dst, const void *src, size_t bytes) {
     if (use_device(be) < 0) return -1;
     qc_cuda_of(be)->q8x_of = NULL;   /* as in cu_upload */
     forget_norm_of(qc_cuda_of(be), dst, bytes);
+    qc_cuda_forget_rope(qc_cuda_of(be));
     return QC_CUDA(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, qc_cuda_of(be)->stream));
 }
 
@@ -201,6 +203,7 @@ template <typename... Args> struct on_device<int(qc_backend *, Args...)> {
 
 static int cu_record_begin(qc_backend *be) {
     if (use_device(be) < 0) return -1;
+    qc_cuda_forget_rope(qc_cuda_of(be));
     /* thread-local mode: other threads' CUDA calls are neither captured nor forbidden */
     return QC_CUDA(be, cudaStreamBeginCapture(qc_cuda_of(be)->stream, cudaStreamCaptureModeThreadLocal));
 }
@@ -209,6 +212,7 @@ static int cu_record_end(qc_backend *be, void **recording) {
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
     *recording = NULL;
+    qc_cuda_forget_rope(qc_cuda_of(be));
     cudaError_t e = cudaStreamEndCapture(qc_cuda_of(be)->stream, &graph);
     if (e != cudaSuccess) {
         if (graph) cudaGraphDestroy(graph);
@@ -223,6 +227,7 @@ static int cu_record_end(qc_backend *be, void **recording) {
 
 static int cu_replay(qc_backend *be, void *recording) {
     if (use_device(be) < 0) return -1;
+    qc_cuda_forget_rope(qc_cuda_of(be));
     return QC_CUDA(be, cudaGraphLaunch((cudaGraphExec_t)recording, qc_cuda_of(be)->stream));
 }
 
@@ -294,6 +299,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->attn_done) cudaFree(cu->attn_done);
             if (cu->q8x) cudaFree(cu->q8x);
             if (cu->norm_ss) cudaFree(cu->norm_ss);
+            if (cu->rope_cs) cudaFree(cu->rope_cs);
             if (cu->dec_sync) cudaFree(cu->dec_sync);
             if (cu->sample_part) cudaFree(cu->sample_part);
             if (cu->sample_done) cudaFree(cu->sample_done);
@@ -421,6 +427,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     cu->q8x_act = (char *)cu->q8x + qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
     cu->q8x_norm = (char *)cu->q8x + 2 * qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->norm_ss, QC_Q8X_MAX_COLS / 32 * sizeof(float)));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->rope_cs, QC_ROPE_CS_MAX * sizeof(double2)));
     /* one normalised row for the fused ops of a decode step (QC_NORM_IN_BLOCK_MAX_COLS): made
      * here, so a recorded step never grows it */
     QC_CREATE_CHECK(cudaMalloc(&cu->scratch_norm, QC_Q8X_MAX_COLS * sizeof(float)));
@@ -445,14 +452,16 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         /* the op kernels as programmatic dependent launches (qc_cuda.cuh), the attention's and
          * the argmax's thread-block clusters (attention.cu, argmax.cu), and the decode GEMVs'
          * weight copies to shared memory (qc_copy_to_shared), and the attention's keys loaded
-         * before its wait (attention.cu, QC_ATT_HELD), and read_ahead's hints (matmul.cu):
-         * QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0, QWENCUDA_WEIGHTS_SHARED=0,
-         * QWENCUDA_ATTENTION_HOLD=0 and QWENCUDA_READ_AHEAD=0 turn them off */
+         * before its wait (attention.cu, QC_ATT_HELD), and read_ahead's hints (matmul.cu), and
+         * qkv_attention's one launch (qkv_attention.cu): QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0,
+         * QWENCUDA_WEIGHTS_SHARED=0, QWENCUDA_ATTENTION_HOLD=0, QWENCUDA_READ_AHEAD=0 and
+         * QWENCUDA_QKV_ATTENTION=0 turn them off */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
         cu->w_shared = sm90 && env_on("QWENCUDA_WEIGHTS_SHARED");
         cu->att_hold = env_on("QWENCUDA_ATTENTION_HOLD");
         cu->read_ahead = env_on("QWENCUDA_READ_AHEAD");
+        cu->qkv_attention = env_on("QWENCUDA_QKV_ATTENTION");
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

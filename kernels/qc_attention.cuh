@@ -11,17 +11,21 @@
 #include "qc_cuda.cuh"
 #include "qc_gemv_q8.cuh"
 
+#include <cooperative_groups.h>
+
 #define QC_ATT_MAXD 8        /* dimensions per lane: head_dim <= 8 * 32 = 256 */
 
 /* What one group of G lanes does in both kernels below: lane k holds dimensions k, k + G, ...
- * (at most QC_ATT_MAXD) of the query and of its share of the output. */
-template <int G>
+ * (at most QC_ATT_MAXD) of the query and of its share of the output. SHARED: qv is in shared
+ * memory (qkv_attention.cu computes q in the block), read by plain loads. */
+template <int G, bool SHARED = false>
 __device__ __forceinline__ void qc_att_load_q(const float *qv, int head_dim, int lane,
                                               float (&qr)[QC_ATT_MAXD], float (&acc)[QC_ATT_MAXD]) {
 #pragma unroll
     for (int i = 0; i < QC_ATT_MAXD; i++) {
         const int d = lane + i * G;
-        qr[i] = d < head_dim ? __ldcg(qv + d) : 0.0f;
+        if constexpr (SHARED) qr[i] = d < head_dim ? qv[d] : 0.0f;
+        else qr[i] = d < head_dim ? __ldcg(qv + d) : 0.0f;
         acc[i] = 0.0f;
     }
 }
@@ -276,17 +280,24 @@ __device__ __forceinline__ void qc_att_held_load(qc_att_held<KV, R> &held, const
  * (m, l, acc[head_dim]) in mine (global or shared memory). pub: groups * (2 + head_dim) floats
  * of shared memory for this split's groups. Every thread of the block calls it (it synchronises
  * the block). AHEAD: qc_att_keys_ahead, else qc_att_keys. held (R > 0): the group's first keys from registers
- * (qc_att_held_load), the rest from the cache; the same keys in the same order, the same bits. */
-template <int G, typename KV, bool AHEAD, int R = 0>
+ * (qc_att_held_load), the rest from the cache; the same keys in the same order, the same bits.
+ * NEW (one token, qkv_attention.cu): q is the head's query in shared memory, and key last_key,
+ * which this launch computes and another cluster writes into the cache, comes from new_k and
+ * new_v (this KV head's rows in shared memory, as the cache holds them) instead: it is the last
+ * key of the group that takes it, so it is still taken last, with the same arithmetic. */
+template <int G, typename KV, bool AHEAD, int R = 0, bool NEW = false>
 __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k_cache, const KV *v_cache,
                                                      int last_key, int h, int split, int splits, int t,
                                                      int n_head, int n_head_kv, int head_dim, float scale,
                                                      float *mine, float *pub, int tid,
-                                                     const qc_att_held<KV, R> *held = nullptr) {
+                                                     const qc_att_held<KV, R> *held = nullptr,
+                                                     const KV *new_k = nullptr, const KV *new_v = nullptr) {
     const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv, tid);
     const int kv_dim = n_head_kv * head_dim;
     const int lane = tid % G, group = tid / G, groups = QC_ATT_SPLIT_THREADS / G;
     const unsigned gmask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
+    const int new_key = last_key;
+    if constexpr (NEW) last_key--;   /* from here on: the last key read from the cache */
 
     const KV *k = k_cache + (int64_t)sh.kvh * head_dim, *v = v_cache + (int64_t)sh.kvh * head_dim;
     /* the held keys are the group's first ones below held->end; the rest start at `rest` */
@@ -295,7 +306,8 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
     for (int r = 0; r < R; r++) n_held += sh.first + r * sh.stride < held->end;
     const int rest = sh.first + n_held * sh.stride;
     float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
-    qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
+    if constexpr (NEW) qc_att_load_q<G, true>(q, head_dim, lane, qr, acc);
+    else qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
     /* AHEAD: the first key after the held ones is loaded beside q, not after the held keys'
      * arithmetic has waited for q: one L2 round trip instead of two before the loop (at 513 to
      * 768 keys every head has groups with a third key, and the new key is one). Unconditional
@@ -303,8 +315,11 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
      * lease: 1794-1810 -> 1805-1819 tok/s at 512 keys, even at 2560 (1577-1591 -> 1580-1589);
      * 57 registers a thread instead of 49 (bench/results/20261124-e49438a-*, addendum). */
     KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
-    if constexpr (AHEAD)
-        qc_att_load_kv<G, KV>(k, v, rest <= last_key ? rest : last_key, kv_dim, head_dim, lane, k_next, v_next);
+    if constexpr (AHEAD) {
+        /* (NEW at key 0: no key in the cache, nothing to load) */
+        if (!NEW || last_key >= 0)
+            qc_att_load_kv<G, KV>(k, v, rest <= last_key ? rest : last_key, kv_dim, head_dim, lane, k_next, v_next);
+    }
     float m = -INFINITY, l = 0.0f;
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -319,6 +334,12 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
     else
         qc_att_keys<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr, 0, m, l,
                            acc);
+    if constexpr (NEW) {
+        if (new_key >= sh.first && (new_key - sh.first) % sh.stride == 0)
+            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(new_k[lane + i * G]); },
+                          [&](int i) { return qc_kv_float(new_v[lane + i * G]); }, new_key, head_dim, scale, gmask,
+                          lane, nullptr, 0, m, l, acc);
+    }
 
     /* a split with no keys (short contexts) leaves m = -inf, l = 0: the merge skips it */
     const float M = qc_att_publish<G>(pub, group, groups, lane, head_dim, m, l, acc);
@@ -363,6 +384,79 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
     qc_att_merge_splits([&](int s, int i) { return __ldcg(mine0 + s * (head_dim + 2) + i); }, splits, head_dim,
                         out + pair * head_dim, weight, out_qs ? out_qs + pair * head_dim : nullptr,
                         out_ds ? out_ds + pair * head_dim / 32 : nullptr);
+}
+
+/* ---- split-K in thread-block clusters (sm_90): attention.cu's cluster kernel, and the
+ * attention of qkv_attention.cu ----
+ * The splits merged without a round trip through global memory: the QC_ATT_SPLITS splits of a (head, token) are the QC_ATT_CLUSTER blocks of one
+ * cluster, QC_ATT_CLUSTER_SPLITS splits a block (QC_ATT_SPLIT_THREADS threads each, computing
+ * exactly what the split kernel's blocks do). Each block copies its splits' partials into block
+ * 0's shared memory (distributed shared memory), arrives at the cluster barrier and leaves;
+ * block 0 waits there for all of them and merges the partials from its own shared memory with
+ * qc_att_merge_splits.
+ * Why: the split kernel's merge is a chain of L2 round trips (the partial's write and fence,
+ * the counter's atomic, the partials' reads) after the keys; a decode step runs it once a
+ * layer. An earlier form left each partial in its own block, so block 0 read 32 splits' values
+ * across the cluster and every block waited at a second barrier until it had: %globaltimer
+ * stamps of a 0.5B step on the H100 put 1.3 us on that merge and 0.6 us on the second barrier
+ * (bench/results/20261124-d82da0b-*); this form took the attention's share of a real-file step
+ * from 133.5 to 116.9 us (20261124-550e506-*, addendum). Same bits as the split kernel (the
+ * persistent decode kernel's): the same partials, merged in the same order. */
+#define QC_ATT_CLUSTER_SPLITS 4
+#define QC_ATT_CLUSTER (QC_ATT_SPLITS / QC_ATT_CLUSTER_SPLITS)   /* 8: the portable most */
+static_assert(QC_ATT_SPLITS % QC_ATT_CLUSTER_SPLITS == 0 && QC_ATT_CLUSTER <= 8, "a portable cluster");
+
+/* Floats of the cluster kernel's dynamic shared memory: per split of the block, its groups'
+ * publish area (qc_att_split_partial's pub), then a partial for every split of the cluster
+ * (block b's own at splits 4b .. 4b + 3; block 0 receives them all). */
+static inline size_t qc_att_cluster_floats(int G, int head_dim) {
+    return (size_t)QC_ATT_CLUSTER_SPLITS * (size_t)(QC_ATT_SPLIT_THREADS / G) * (2 + head_dim) +
+           (size_t)QC_ATT_SPLITS * (head_dim + 2);
+}
+
+/* Keys held in registers before the wait: the K and V rows of the keys before the eval's
+ * positions were written by earlier evals, not by any kernel of this one (only its new keys' rows
+ * are: the q/k/v kernel just before), and every kernel before the q/k/v kernel has finished when
+ * this one launches (the q/k/v kernel lets it launch only after its own wait). So each group
+ * loads the rows of its first QC_ATT_HELD keys (of every 256 at head_dim 64: all of them up to
+ * 512 keys) while the q/k/v kernel still runs, and after the wait its loop starts with them
+ * instead of with a round trip to L2. H100, real 0.5B file, one lease (bench/results/
+ * 20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
+ * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
+ * thread) -3.5%; a copy of the keys into 96 KB of shared memory 1669-1686 tok/s at 512 keys,
+ * against 1750 before it in the session's other leases (the blocks placed later).
+ * QWENCUDA_ATTENTION_HOLD=0 holds none, to compare: the same bits. */
+#define QC_ATT_HELD 2
+
+/* Whether the cluster kernels take this head_dim (the two of Qwen2, with their G). */
+static inline int qc_att_cluster_takes(int G, int head_dim) {
+    return (G == 16 && head_dim == 64) || (G == 32 && head_dim == 128);
+}
+
+/* The end of a cluster's attention, after every block's partials are complete in its own shared
+ * memory (parts, split by split) and the cluster's blocks have all started (the caller waited at
+ * a cluster barrier since): blocks 1.. copy theirs into block 0's parts and leave; block 0 merges
+ * every split into out (and its 8-bit blocks, qc_att_merge_splits) for (token, head) `pair`.
+ * Every thread of the block calls it. weight: 32 floats of shared memory. */
+template <int HD>
+__device__ __forceinline__ void qc_att_cluster_merge(float *parts, unsigned rank, int64_t pair, float *out,
+                                                     int8_t *out_qs, float2 *out_ds, float *weight) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int mine_floats = QC_ATT_CLUSTER_SPLITS * (HD + 2);   /* a block's partials */
+    if (rank != 0) {
+        /* where qc_att_split_partial left them: splits 4 rank .. 4 rank + 3 */
+        float *mine = parts + rank * mine_floats;
+        float *to = cooperative_groups::this_cluster().map_shared_rank(mine, 0);
+        for (int i = threadIdx.x; i < mine_floats; i += blockDim.x) to[i] = mine[i];
+    }
+    /* the partials written and visible to block 0 (release, acquire); nothing reads the other
+     * blocks' shared memory, so they leave */
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    if (rank != 0) return;
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    qc_att_merge_splits([&](int s, int i) { return parts[s * (HD + 2) + i]; }, QC_ATT_SPLITS, HD, out + pair * HD,
+                        weight, out_qs ? out_qs + pair * HD : nullptr, out_ds ? out_ds + pair * HD / 32 : nullptr);
+#endif
 }
 
 #endif /* QC_ATTENTION_CUH */

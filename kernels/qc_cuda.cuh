@@ -102,6 +102,17 @@ typedef struct qc_cuda {
     /* the split-K cluster kernel loads its groups' first keys into registers before the wait
      * (attention.cu): QWENCUDA_ATTENTION_HOLD is not "0" at creation (to compare) */
     int att_hold;
+    /* a decode step's qkv_attention in one launch (qkv_attention.cu): QWENCUDA_QKV_ATTENTION is
+     * not "0" at creation (to compare) */
+    int qkv_attention;
+    /* RoPE's (cos, sin) of pairs 0 .. head_dim / 2 - 1 at the position in rope_of_pos (device
+     * memory), theta rope_of_theta, as that launch left them in rope_cs (QC_ROPE_CS_MAX, made at
+     * creation) for the next layers' launches of the step; rope_of_pos NULL when there are none.
+     * Every write that may change a position ends it (qc_cuda_forget_rope). */
+    double2 *rope_cs;
+    const int32_t *rope_of_pos;
+    float rope_of_theta;
+    int rope_of_head_dim;
     /* read_ahead's hint (backend.h) for the next matmul or matmul_add (it takes it and clears it):
      * QWENCUDA_READ_AHEAD is not "0" at creation (to compare); l2_bytes bounds the hint */
     int read_ahead;
@@ -128,6 +139,12 @@ typedef struct qc_cuda {
 #define QC_ATT_PAIRS (1 << 14)
 
 static inline qc_cuda *qc_cuda_of(qc_backend *be) { return (qc_cuda *)be->impl; }
+
+/* Pairs rope_cs holds: head_dim <= 2 * QC_ROPE_CS_MAX. */
+#define QC_ROPE_CS_MAX 128
+/* rope_cs no longer holds the angles of a position: after an upload, a copy, feed_draw, and a
+ * recording's start, end and replay (a replayed step moves the position on the device). */
+static inline void qc_cuda_forget_rope(qc_cuda *cu) { cu->rope_of_pos = NULL; }
 
 /* Record a failed CUDA call in be->err (kind QC_ERR_CUDA, naming the call, the error and
  * where) and clear the non-sticky error state so that the backend stays usable. Returns -1. */

@@ -565,6 +565,7 @@ __global__ void qc_feed_draw_kernel(const qc_sample_result *result, qc_sample_st
 
 int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
                       int64_t n_vocab) {
+    qc_cuda_forget_rope(qc_cuda_of(be));   /* it moves the position */
     qc_launch(qc_cuda_of(be), qc_feed_draw_kernel, dim3(1), dim3(1), 0, (const qc_sample_result *)result,
               (qc_sample_state *)state, ids, pos, n_vocab);
     return QC_LAUNCHED(be, "qc_feed_draw_kernel");

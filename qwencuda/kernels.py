@@ -25,8 +25,8 @@ Numerics of the CUDA backend (tests/test_kernels.py states the tolerances):
     running sums in double), selecting by radix threshold where the host sorts;
   - everything else is fp32.
 
-The fused ops (matmul_add, matmul_multi, matmul_swiglu, rope_kv_store, matmul_qkv_rope) compute what their
-unfused sequences compute, with the same float operations: bit-identical on the CPU, and on CUDA
+The fused ops (matmul_add, matmul_multi, matmul_swiglu, rope_kv_store, matmul_qkv_rope, qkv_attention)
+compute what their unfused sequences compute, with the same float operations: bit-identical on the CPU, and on CUDA
 wherever the GEMV runs (n <= GEMV_MAX_TOKENS); matmul_add's cuBLAS path adds the residual inside
 the GEMM (beta = 1), which may round differently from a separate add. matmul_add_swiglu runs the
 decode step's o projection and gate/up as the forward pass does: its act may round differently
@@ -42,7 +42,8 @@ from . import _core
 __all__ = [
     "Weight", "embed", "dequantize", "rmsnorm", "matmul", "rope", "kv_store", "attention",
     "swiglu", "add", "argmax", "sample", "matmul_add", "matmul_add_swiglu", "matmul_multi", "matmul_swiglu",
-    "rope_kv_store", "matmul_qkv_rope", "release", "cuda_mem_info", "cuda_device_info", "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
+    "rope_kv_store", "matmul_qkv_rope", "qkv_attention", "release", "cuda_mem_info", "cuda_device_info",
+    "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
 ]
 
 # matmul reads the stored blocks directly (GEMV) up to this many tokens; above, dequant + cuBLAS
@@ -479,31 +480,56 @@ def matmul_qkv_rope(weights, x, biases, pos, k_cache, v_cache, head_dim, theta=1
     write: one launch on CUDA for one token). norm, eps: as in matmul_multi. Returns new arrays
     (q_rope (tokens, n_head, head_dim), k_rope (tokens, n_head_kv, head_dim), v (same), k_cache,
     v_cache); the inputs are not modified."""
+    return _qkv_rope(weights, x, biases, pos, k_cache, v_cache, head_dim, theta, device, norm, eps, 0,
+                     "matmul_qkv_rope")
+
+
+def qkv_attention(weights, x, biases, pos, k_cache, v_cache, head_dim, theta=1e6, device="cpu", norm=None,
+                  eps=1e-6, n_kv=None):
+    """matmul_qkv_rope, then attention (no scores) of its q over the caches it wrote, n_kv as in
+    attention (default max(pos) + 1), in one op: on CUDA, one token whose weights take the 8-bit
+    GEMV (head_dim 64 or 128, the split-K attention's contexts) runs one launch, each query head's
+    cluster of blocks computing its own q, k and v rows; the same bits as the two ops. Returns
+    matmul_qkv_rope's five arrays and att (tokens, n_head * head_dim)."""
+    if n_kv is None:
+        n_kv = int(np.max(pos)) + 1 if np.size(pos) else 1
+    n_kv = int(n_kv)
+    if n_kv < 1:
+        raise ValueError(f"qkv_attention: n_kv {n_kv} must be positive")
+    return _qkv_rope(weights, x, biases, pos, k_cache, v_cache, head_dim, theta, device, norm, eps, n_kv,
+                     "qkv_attention")
+
+
+def _qkv_rope(weights, x, biases, pos, k_cache, v_cache, head_dim, theta, device, norm, eps, n_kv, op):
+    """The checks and the call of matmul_qkv_rope and qkv_attention (n_kv > 0)."""
     ws = [_weight(w) for w in weights]
     if len(ws) != 3:
-        raise ValueError(f"matmul_qkv_rope: three weights (q, k, v), got {len(ws)}")
+        raise ValueError(f"{op}: three weights (q, k, v), got {len(ws)}")
     cols = ws[0].shape[1]
     hd = int(head_dim)
     if hd <= 0 or hd % 2:
-        raise ValueError(f"matmul_qkv_rope: head_dim {hd} must be even and positive")
+        raise ValueError(f"{op}: head_dim {hd} must be even and positive")
     if any(w.shape[1] != cols for w in ws) or ws[1].shape != ws[2].shape or ws[0].shape[0] % hd or ws[1].shape[0] % hd:
-        raise ValueError(f"matmul_qkv_rope: weights {[w.shape for w in ws]} must share columns, k and v one shape, "
+        raise ValueError(f"{op}: weights {[w.shape for w in ws]} must share columns, k and v one shape, "
                          f"rows whole heads of {hd}")
-    x = _matmul_x(x, cols, "matmul_qkv_rope").reshape(-1, cols)
-    biases = _biases(biases, ws, "matmul_qkv_rope")
+    x = _matmul_x(x, cols, op).reshape(-1, cols)
+    biases = _biases(biases, ws, op)
     k_cache = _cache(k_cache, "k_cache")
     v_cache = _cache(v_cache, "v_cache")
     kv_dim = ws[1].shape[0]
     if k_cache.shape != v_cache.shape or k_cache.shape[1] != kv_dim:
-        raise ValueError(f"matmul_qkv_rope: caches {k_cache.shape}, {v_cache.shape} must be (max_ctx, {kv_dim})")
+        raise ValueError(f"{op}: caches {k_cache.shape}, {v_cache.shape} must be (max_ctx, {kv_dim})")
     n = x.shape[0]
     pos = _i32(pos, "pos", n)
     if pos.size and (pos.min() < 0 or pos.max() >= k_cache.shape[0]):
-        raise ValueError(f"matmul_qkv_rope: positions must be in [0, {k_cache.shape[0]})")
-    q, k, v, kc, vc = _core.kernel_matmul_qkv_rope(_device(device), tuple(w._arg() for w in ws), x, biases, pos,
-                                                   k_cache, v_cache, hd, float(theta),
-                                                   _norm_arg(norm, cols, "matmul_qkv_rope"), float(eps))
-    return q.reshape(n, -1, hd), k.reshape(n, -1, hd), v.reshape(n, -1, hd), kc, vc
+        raise ValueError(f"{op}: positions must be in [0, {k_cache.shape[0]})")
+    if n_kv and not (n_kv <= k_cache.shape[0] and (not pos.size or pos.max() < n_kv)):
+        raise ValueError(f"{op}: n_kv {n_kv} must be at most the cache rows {k_cache.shape[0]} and above every "
+                         f"position")
+    res = _core.kernel_matmul_qkv_rope(_device(device), tuple(w._arg() for w in ws), x, biases, pos, k_cache,
+                                       v_cache, hd, float(theta), _norm_arg(norm, cols, op), float(eps), n_kv)
+    q, k, v = (a.reshape(n, -1, hd) for a in res[:3])
+    return (q, k, v) + tuple(res[3:])
 
 
 def time_matmul(weight, x, iters=100, device="cpu"):

@@ -687,6 +687,63 @@ def test_matmul_qkv_rope(device, type_name, head_dim, n, cache):
                 "matmul_qkv_rope q")
 
 
+_Q8_GEMV_TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]   # the 8-bit GEMV's (kernels/qc_gemv_q8.cuh)
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16", "f16+norm"])
+@pytest.mark.parametrize("pos", [[0], [300], [2900], [4093], [2900, 5, 300]], ids=lambda p: "pos" + "-".join(map(str, p)))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("type_name", _Q8_GEMV_TYPES + ["F16"])
+def test_qkv_attention(device, type_name, head_dim, pos, cache):
+    """qkv_attention equals matmul_qkv_rope, then attention, bit for bit: q, k, v, both caches and
+    the attention output. One token on CUDA, three 8-bit GEMV types and up to 3072 keys, is the
+    one launch whose clusters compute their heads' rows themselves (the new key from shared
+    memory, key 0 alone at position 0, a group's held keys and the loop after them at 300 and
+    2900); 4093 keys (flash decode), three tokens and F16 weights take the two ops."""
+    cols, n_head_kv = 256, 2
+    n_head = 7 * n_head_kv
+    if type_name in _Q8_GEMV_TYPES:
+        k = _Q8_GEMV_TYPES.index(type_name)
+        types = [type_name] + [_Q8_GEMV_TYPES[(k + i) % len(_Q8_GEMV_TYPES)] for i in (1, 2)]
+    else:
+        types = [type_name, _other_type(type_name, cols, 1), _other_type(type_name, cols, 2)]
+    rows = [n_head * head_dim, n_head_kv * head_dim, n_head_kv * head_dim]
+    ws = [random_weight(t, r, cols, seed=60 + i)[0] for i, (t, r) in enumerate(zip(types, rows))]
+    rng = np.random.default_rng(61)
+    n = len(pos)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    biases = [(rng.standard_normal(r) * 3).astype(np.float32) for r in rows]
+    norm = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32) if cache.endswith("norm") else None
+    dtype = np.float16 if cache.startswith("f16") else np.float32
+    pos = np.array(pos, np.int32)
+    kc = rng.standard_normal((4100, n_head_kv * head_dim)).astype(dtype)
+    vc = rng.standard_normal((4100, n_head_kv * head_dim)).astype(dtype)
+    q, k, v, kc2, vc2, att = K.qkv_attention(ws, x, biases, pos, kc, vc, head_dim, theta=1e6, device=device,
+                                             norm=norm)
+    q1, k1, v1, kc1, vc1 = K.matmul_qkv_rope(ws, x, biases, pos, kc, vc, head_dim, theta=1e6, device=device,
+                                             norm=norm)
+    att1 = K.attention(q1, kc1, vc1, pos, n_head_kv, device=device)
+    for got, want in ((q, q1), (k, k1), (v, v1), (kc2, kc1), (vc2, vc1), (att, att1)):
+        np.testing.assert_array_equal(got, want)
+    assert att.shape == (n, n_head * head_dim)
+    # and the attention reads the new keys: att differs from attending the caches as they were
+    assert not np.array_equal(att, K.attention(q1, kc, vc, pos, n_head_kv, device=device))
+
+
+def test_qkv_attention_argument_errors():
+    """qkv_attention's n_kv must cover every position and fit the cache."""
+    w = K.Weight(np.ones((8, 32), np.float32), "F32", (8, 32))
+    x, kc = np.ones((1, 32), np.float32), np.zeros((6, 8), np.float32)
+    with pytest.raises(ValueError, match="n_kv"):
+        K.qkv_attention([w, w, w], x, None, [3], kc, kc, head_dim=8, n_kv=3)
+    with pytest.raises(ValueError, match="n_kv"):
+        K.qkv_attention([w, w, w], x, None, [3], kc, kc, head_dim=8, n_kv=7)
+    with pytest.raises(ValueError, match="n_kv"):
+        K.qkv_attention([w, w, w], x, None, [3], kc, kc, head_dim=8, n_kv=0)
+    q, _, _, _, _, att = K.qkv_attention([w, w, w], x, None, [3], kc, kc, head_dim=8)
+    assert att.shape == (1, 8) and q.shape == (1, 1, 8)
+
+
 @pytest.mark.parametrize("cache_dtype", [np.float32, np.float16])
 def test_kv_stores_of_no_tokens(device, cache_dtype):
     """Zero tokens store nothing: the caches come back as they went (rope_kv_store returned

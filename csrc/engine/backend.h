@@ -169,12 +169,22 @@ typedef int qc_op_matmul_qkv_rope(qc_backend *be, const qc_matmul_part *qkv, con
                                   const float *norm_w, float eps, const int32_t *pos, int n_head,
                                   int n_head_kv, int head_dim, float theta, qc_kv_cache cache);
 
+/* matmul_qkv_rope, then attention (without scores) of q over the cache into out: the attention
+ * norm, q, k, v, RoPE, the cache write and the attention as one op, so that a backend may run them
+ * in one pass (CUDA, one token: each query head's cluster of blocks computes the rows it needs,
+ * qkv_attention.cu). q, k, v and the caches hold what matmul_qkv_rope leaves; out what attention
+ * writes, bit for bit. */
+typedef int qc_op_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n,
+                                const float *norm_w, float eps, const int32_t *pos, int n_kv, int n_head,
+                                int n_head_kv, int head_dim, float theta, qc_kv_cache cache, float *out);
+
 /* Every op above, in table order. From this one list come the members of qc_backend_ops and
  * each backend's declarations and table (cpu_backend.h/.c, qc_cuda.cuh, cuda_backend.cu): a
  * new op is its function type above, its name here, and its two implementations. */
 #define QC_BACKEND_OPS(X)                                                                       \
     X(embed) X(rmsnorm) X(matmul) X(rope) X(kv_store) X(attention) X(swiglu) X(add) X(argmax) \
-    X(sample) X(matmul_add) X(matmul_multi) X(matmul_swiglu) X(rope_kv_store) X(matmul_qkv_rope)
+    X(sample) X(matmul_add) X(matmul_multi) X(matmul_swiglu) X(rope_kv_store) X(matmul_qkv_rope)   \
+    X(qkv_attention)
 
 /* ---- the decode step in one launch (optional: CUDA's persistent decode kernel) ----
  * What a decode step of one token reads and writes, for decode_step below: the weights and

@@ -1142,6 +1142,8 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
      * seen) */
     const int fuse_rope = fuse && !layer_wants(s, l, L_Q) && !layer_wants(s, l, L_K) &&
                           !layer_patched(s, l, L_V) && !layer_patched(s, l, L_K_ROPE);
+    /* (and the attention with them, unless a patched q must reach it) */
+    const int fuse_attention = fuse_rope && !layer_patched(s, l, L_Q_ROPE);
     const int fuse_o = fuse && !layer_wants(s, l, L_ATTN_PROJ);
     const int fuse_gate_up = fuse && !layer_wants(s, l, L_GATE) && !layer_wants(s, l, L_UP);
     const int fuse_ffn_norm = fuse_gate_up && !layer_wants(s, l, L_FFN_NORM);
@@ -1156,12 +1158,15 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     /* q, k, v = xn @ W^T + b (Qwen2's biases are large: never drop them); then RoPE, NEOX pairs
      * (i, i + head_dim/2), on q and k at their positions, and the rotated k and the v of these
      * tokens into the cache at their positions. Fused, that is one op (which writes the cache
-     * before any capture is seen) */
+     * before any capture is seen), and with the attention below one op too (its captures of q,
+     * k and v see the same buffers) */
     const qc_matmul_part qkv[3] = {{&L->wq, L->bq, sc->q}, {&L->wk, L->bk, sc->k}, {&L->wv, L->bv, sc->v}};
     const float *qkv_x = fuse_attn_norm ? sc->x : sc->xn, *qkv_norm = fuse_attn_norm ? L->attn_norm : NULL;
     if (fuse_rope) {
-        OP(op->matmul_qkv_rope(be, qkv, qkv_x, nc, qkv_norm, eps, sc->pos, n_head, n_head_kv, hd, c->rope_theta,
-                               s->kv[l]));
+        OP(fuse_attention ? op->qkv_attention(be, qkv, qkv_x, nc, qkv_norm, eps, sc->pos, n_kv, n_head, n_head_kv, hd,
+                                              c->rope_theta, s->kv[l], sc->att)
+                          : op->matmul_qkv_rope(be, qkv, qkv_x, nc, qkv_norm, eps, sc->pos, n_head, n_head_kv, hd,
+                                                c->rope_theta, s->kv[l]));
         CAPTURE(observe_layer(s, p, l, L_V, sc->v, c0, nc, kv_dim, err));
         CAPTURE(observe_layer(s, p, l, L_Q_ROPE, sc->q, c0, nc, q_dim, err));
         CAPTURE(observe_layer(s, p, l, L_K_ROPE, sc->k, c0, nc, kv_dim, err));
@@ -1184,7 +1189,8 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     }
 
     /* causal GQA attention: query head h reads KV head h / (n_head / n_head_kv), keys 0..pos */
-    OP(op->attention(be, sc->q, s->kv[l], sc->pos, nc, n_kv, n_head, n_head_kv, hd, sc->att, NULL, NULL));
+    if (!fuse_attention)
+        OP(op->attention(be, sc->q, s->kv[l], sc->pos, nc, n_kv, n_head, n_head_kv, hd, sc->att, NULL, NULL));
     if (layer_patched(s, l, L_ATTN_SCORES) || layer_patched(s, l, L_ATTN_PROBS))
         CAPTURE(patch_attention(s, p, l, nc, n_kv, err));
     else if (layer_wants(s, l, L_ATTN_SCORES) || layer_wants(s, l, L_ATTN_PROBS))

@@ -95,7 +95,7 @@ static cached_backend *get_backend(const char *device) {
 /* what a binding holds while it runs (GIL held): the NumPy arrays it converted or made and the
  * buffers of its weights, released together at its one exit */
 
-#define QC_MAX_HELD 16   /* matmul_qkv_rope: x, positions, 2 caches, 3 biases, 5 outputs, norm */
+#define QC_MAX_HELD 16   /* matmul_qkv_rope: x, positions, 2 caches, 3 biases, 6 outputs, norm */
 
 typedef struct {
     Py_buffer view;             /* the stored bytes, kept while the call runs */
@@ -291,7 +291,7 @@ static job_array arr_inout(PyArrayObject *a, PyArrayObject *out) {
     return (job_array){PyArray_DATA(a), PyArray_DATA(out), nbytes_of(a), NULL};
 }
 
-#define QC_JOB_MAX 12    /* matmul_qkv_rope: x, positions, 2 caches, 3 biases, 3 outputs, norm */
+#define QC_JOB_MAX 12    /* matmul_qkv_rope: x, positions, 2 caches, 3 biases, 4 outputs, norm */
 
 typedef struct {
     int (*op)(qc_backend *be, void *args);   /* the backend op on the job's <op>_args */
@@ -614,7 +614,8 @@ done:
 typedef struct {
     matmul_multi_args mm;       /* q, k and v (n_parts 3) */
     job_array pos, k_cache, v_cache;   /* the caches updated in place */
-    int n_head, n_head_kv, head_dim;
+    job_array att;              /* qkv_attention's output (n_kv > 0) */
+    int n_head, n_head_kv, head_dim, n_kv;
     float theta;
     int kv_type;
 } matmul_qkv_rope_args;
@@ -626,6 +627,9 @@ static int op_matmul_qkv_rope(qc_backend *be, void *p) {
     qc_matmul_part parts[3];
     for (int i = 0; i < 3; i++) parts[i] = (qc_matmul_part){m->w[i], m->bias[i].dev, m->out[i].dev};
     qc_kv_cache cache = {a->k_cache.dev, a->v_cache.dev, a->kv_type};
+    if (a->n_kv > 0)
+        return be->ops->qkv_attention(be, parts, m->x.dev, m->n, m->norm.dev, m->eps, a->pos.dev, a->n_kv, a->n_head,
+                                      a->n_head_kv, a->head_dim, a->theta, cache, a->att.dev);
     return be->ops->matmul_qkv_rope(be, parts, m->x.dev, m->n, m->norm.dev, m->eps, a->pos.dev, a->n_head,
                                     a->n_head_kv, a->head_dim, a->theta, cache);
 }
@@ -640,9 +644,9 @@ static PyObject *kernel_matmul_qkv_rope(PyObject *self, PyObject *args) {
     kernel_job j = {.op = op_matmul_qkv_rope, .args = &a, .arrays = {&m->x, &a.pos, &a.k_cache, &a.v_cache}};
     int n_arrays = 4, k_type, v_type;
     cached_backend *c;
-    PyArrayObject *x, *pos, *kc, *vc, *out[5];
-    if (!PyArg_ParseTuple(args, "sO!OO!OOOif|Of", &device, &PyTuple_Type, &wseq, &xobj, &PyTuple_Type, &bseq, &pobj,
-                          &kcobj, &vcobj, &a.head_dim, &a.theta, &nobj, &m->eps))
+    PyArrayObject *x, *pos, *kc, *vc, *out[5], *att = NULL;
+    if (!PyArg_ParseTuple(args, "sO!OO!OOOif|Ofi", &device, &PyTuple_Type, &wseq, &xobj, &PyTuple_Type, &bseq, &pobj,
+                          &kcobj, &vcobj, &a.head_dim, &a.theta, &nobj, &m->eps, &a.n_kv))
         return NULL;
     if (PyTuple_GET_SIZE(wseq) != 3 || PyTuple_GET_SIZE(bseq) != 3) {
         PyErr_SetString(PyExc_ValueError, "matmul_qkv_rope: three weights (q, k, v) and three biases (or None)");
@@ -676,6 +680,20 @@ static PyObject *kernel_matmul_qkv_rope(PyObject *self, PyObject *args) {
         goto done;
     }
     if (check_positions(pos, PyArray_DIM(kc, 0), "matmul_qkv_rope") < 0) goto done;
+    /* n_kv > 0: qkv_attention, its queries attending keys 0 .. pos[t] < n_kv */
+    if (a.n_kv < 0 || a.n_kv > PyArray_DIM(kc, 0)) {
+        PyErr_Format(PyExc_ValueError, "qkv_attention: n_kv %d is not in [1, max_ctx = %zd]", a.n_kv,
+                     (Py_ssize_t)PyArray_DIM(kc, 0));
+        goto done;
+    }
+    if (a.n_kv > 0) {
+        npy_intp ashape[2] = {(npy_intp)m->n, (npy_intp)m->w[0]->rows};
+        if (check_positions(pos, a.n_kv, "qkv_attention (positions must be < n_kv)") < 0 ||
+            (att = hold(&h, new_array(NPY_FLOAT32, 2, ashape))) == NULL)
+            goto done;
+        a.att = arr_out(att);
+        j.arrays[n_arrays++] = &a.att;
+    }
     m->x = arr_in(x);
     a.pos = arr_in(pos);
     a.kv_type = k_type;
@@ -686,7 +704,9 @@ static PyObject *kernel_matmul_qkv_rope(PyObject *self, PyObject *args) {
     a.k_cache = arr_inout(kc, out[3]);
     a.v_cache = arr_inout(vc, out[4]);
     if (multi_outputs(&h, &j, &n_arrays, m, bseq, nobj, out, "matmul_qkv_rope") < 0) goto done;
-    if (run_job(c, &j) == 0) res = Py_BuildValue("(OOOOO)", out[0], out[1], out[2], out[3], out[4]);
+    if (run_job(c, &j) == 0)
+        res = att ? Py_BuildValue("(OOOOOO)", out[0], out[1], out[2], out[3], out[4], att)
+                  : Py_BuildValue("(OOOOO)", out[0], out[1], out[2], out[3], out[4]);
 done:
     release_held(&h);
     return res;
@@ -1423,7 +1443,8 @@ static PyMethodDef kernel_methods[] = {
      "eps) -> (residual + x @ W^T, matmul_swiglu of that with norm): matmul_add told the norm next"},
     {"kernel_matmul_qkv_rope", kernel_matmul_qkv_rope, METH_VARARGS,
      "kernel_matmul_qkv_rope(device, (wq, wk, wv), x (n, cols), (bq, bk, bv), pos (n,), k_cache, v_cache, head_dim, "
-     "theta[, norm, eps]) -> (q, k, v, k_cache, v_cache)"},
+     "theta[, norm, eps, n_kv]) -> (q, k, v, k_cache, v_cache), and with n_kv > 0 the attention after it "
+     "(qkv_attention): (q, k, v, k_cache, v_cache, att)"},
     {"kernel_rope_kv_store", kernel_rope_kv_store, METH_VARARGS,
      "kernel_rope_kv_store(device, q (n, n_head, hd), k, v (n, n_head_kv, hd), pos (n,), k_cache, v_cache "
      "(max_ctx, n_head_kv*hd), theta) -> (q rotated, k rotated, k_cache, v_cache) updated copies"},

@@ -1,0 +1,357 @@
+/* qkv_attention.cu: the qkv_attention op (backend.h): matmul_qkv_rope, then attention. A decode
+ * step (one token, 8-bit GEMV weights, the cluster attention's head_dim and context) runs both in
+ * one launch of thread-block clusters: the attention norm, the q, k and v rows, RoPE, the cache
+ * write and the split-K attention with its 8-bit output for the o projection.
+ *
+ * Why: a layer of the op-by-op step ran the norm, the q/k/v GEMV and the attention as three
+ * kernels, each ending in a grid-wide wait before the next could read what it wrote (2.1, 3.0
+ * and 4.5 us a layer of a real-file 0.5B step on the H100: bench/results/20261124-dc7e3b6-*,
+ * addendum). The attention of head h needs only its own q rows and the k and v rows of its KV
+ * head: a cluster can compute them itself and pass them through shared memory.
+ *
+ * How: the cluster attention's grid (attention.cu; qc_attention.cuh, "split-K in thread-block
+ * clusters"): a cluster of QC_ATT_CLUSTER blocks per query head h, QC_ATT_CLUSTER_SPLITS splits
+ * a block.
+ *   1. Before the wait: the held keys (below the position: earlier evals wrote them), this
+ *      warp's weight rows asked of L2, its biases, and in the step's first launch its RoPE
+ *      angles.
+ *   2. Every block normalises x and quantizes it to 8 bits in its shared memory
+ *      (qc_norm_quantize_q8_kernel's bits: rmsnorm's 256 sums, reduced in the same order).
+ *   3. The cluster's warps compute the 3 * head_dim rows head h needs, a pair of rows (i and
+ *      i + head_dim / 2 of q, k or v) a warp, the q and k pairs rotated (matmul_qkv_rope's dot
+ *      products, bias, angle and rotation: the same bits), and store them into every block of
+ *      the cluster (distributed shared memory), k and v rounded as the cache holds them. The
+ *      n_head / n_head_kv clusters of a KV head each compute its k and v (a few rows more from
+ *      L2); the first writes them to the cache and to k and v. Every cluster writes its q.
+ *   4. The cluster attention's splits, held keys and merge (qc_att_split_partial, NEW: the new
+ *      key from shared memory, still last in its group's order; qc_att_cluster_merge): the same
+ *      bits as the attention op after matmul_qkv_rope.
+ * Three cluster barriers order it: every block started (before the stores of 3), the rows
+ * stored (before 4), the partials stored (block 0 merges).
+ *
+ * RoPE's angles: a pair's (cos, sin) in double (qc_rope_angle: a pow and a sincos) took lane 0
+ * of a warp about 2 us before its wait; %globaltimer stamps of every block (real file, H100,
+ * 512 keys) put the blocks that compute angles 2.0 us behind the others, and every cluster
+ * barrier waited for them. They depend on the position only, so the step's first launch
+ * computes them (cluster 0's q pairs store them in qc_cuda's rope_cs) and the later layers'
+ * launches read them after their wait (qc_cuda's rope_of_pos says whether rope_cs holds this
+ * position's; uploads, copies, feed_draw and recordings end it).
+ *
+ * Measured (H100, real file; bench/results/20261125-*, addendum), per layer: the first build
+ * 10.7 us (the step 1807-1818 tok/s at 512 keys against 1897-1901 for the three kernels); the
+ * angles read, not computed: 8.6 us, even with them; the rows' global stores after the second
+ * barrier's arrival, not before it (its release waited for them): 1.2 -> 1.0 us between the
+ * dot products and the attention, and the step 1924-1925 / 1688-1691 tok/s at 512 / 2560 keys
+ * against 1900-1915 / 1657-1670. Slower, not kept: every warp computing the norm's sum itself
+ * (no block barrier; 1.7 -> 2.2 us), the weight rows copied into shared memory before the wait
+ * (the dot products 1.1 -> 0.8 us, but the copies held the blocks 1.1 us longer before their
+ * wait: -4%), 64 registers a thread for two blocks an SM (spills: -16%); three held keys
+ * instead of two were even.
+ *
+ * Elsewhere (several tokens, other weight types, flash decode's long contexts, no clusters,
+ * QWENCUDA_QKV_ATTENTION=0 at creation) the op is matmul_qkv_rope, then attention.
+ */
+#include "qc_attention.cuh"
+#include "qc_rope.cuh"
+
+#define QC_QA_THREADS (QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS)   /* a cluster attention block */
+#define QC_QA_WARPS (QC_QA_THREADS / 32)
+#define QC_QA_CLUSTER_WARPS (QC_ATT_CLUSTER * QC_QA_WARPS)
+#define QC_QA_NORM_PER (QC_NORM_FUSE_MAX_COLS / 32 / QC_QA_WARPS)   /* blocks of 32 of x a warp quantizes */
+static_assert(QC_QA_THREADS >= QC_NORM_ROW_THREADS, "rmsnorm's sums: a thread each");
+
+/* q, k or v: its stored rows, bias (or NULL) and output (one token). */
+struct qc_qa_w {
+    const uint8_t *W;
+    const float *bias;
+    float *out;
+    int64_t row_bytes;
+    uint32_t type;
+};
+
+struct qc_qa_params {
+    qc_qa_w w[3];                     /* q, k, v */
+    const float *x, *norm_w;          /* norm_w NULL: x is normalised already */
+    float eps, scale;
+    int dim, n_head, n_head_kv, hold;
+    double theta;
+    double2 *rope_cs;                 /* RoPE's (cos, sin) of each pair at pos (qc_cuda's rope_cs) */
+    int rope_read;                    /* 1: read them there; 0: compute them (cluster 0 writes them) */
+    const int32_t *pos;
+    void *k_cache, *v_cache;
+    float *out;                       /* (n_head * head_dim) */
+    int8_t *out_qs;                   /* its 8-bit form (qc_gemv_q8.cuh) */
+    float2 *out_ds;
+};
+
+/* Shared memory: q of the head (head_dim floats), the new k and v (head_dim KV each, room for
+ * floats), then one region for x (steps 2 and 3: dim floats, its 8-bit qs and ds) that the
+ * attention (step 4) reuses for its groups' publish areas and the cluster's partials. */
+static size_t qa_smem_bytes(int G, int head_dim, int64_t dim) {
+    const size_t x_bytes = (size_t)dim * sizeof(float) + qc_q8x_qs_bytes(1, dim) + (size_t)(dim / 32) * sizeof(float2);
+    const size_t att_bytes = qc_att_cluster_floats(G, head_dim) * sizeof(float);
+    return 3 * (size_t)head_dim * sizeof(float) + (x_bytes > att_bytes ? x_bytes : att_bytes);
+}
+
+/* Ask L2 for the lines of a weight row, by the 32 lanes of a warp. */
+__device__ __forceinline__ void qc_qa_prefetch_row(const uint8_t *row, int64_t bytes, int lane) {
+    const char *end = (const char *)row + bytes;
+    for (const char *c = (const char *)((uintptr_t)row & ~(uintptr_t)127) + 128 * lane; c < end; c += 128 * 32)
+        qc_prefetch_line_l2(c);
+}
+
+/* x normalised and quantized into this block's shared memory (xf: x; qs, ds: the 8-bit form):
+ * with norm_w, qc_norm_quantize_q8_kernel's values (rmsnorm's QC_NORM_ROW_THREADS strided
+ * fmaf sums, each reduced by the same shuffles, the eight added in order); without,
+ * qc_quantize_q8_kernel's. w: this warp's norm weights (blocks warp, warp + QC_QA_WARPS, ...),
+ * loaded before the wait. Ends with the block synchronised. */
+__device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float *norm_w, const float (&w)[QC_QA_NORM_PER],
+                                                    int dim, float eps, float *xf, int8_t *qs, float2 *ds,
+                                                    float *norm_tmp) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int i = 4 * threadIdx.x; i < dim; i += 4 * QC_QA_THREADS) *(float4 *)(xf + i) = __ldcg((const float4 *)(x + i));
+    __syncthreads();
+    float scale = 1.0f;
+    if (norm_w) {
+        if (threadIdx.x < QC_NORM_ROW_THREADS) {
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < dim; i += QC_NORM_ROW_THREADS) ss = fmaf(xf[i], xf[i], ss);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+            if (lane == 0) norm_tmp[warp] = ss;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float total = 0.0f;
+            for (int i = 0; i < QC_NORM_ROW_THREADS / 32; i++) total += norm_tmp[i];
+            norm_tmp[QC_NORM_ROW_THREADS / 32] = 1.0f / sqrtf(total / (float)dim + eps);
+        }
+        __syncthreads();
+        scale = norm_tmp[QC_NORM_ROW_THREADS / 32];
+    }
+#pragma unroll
+    for (int k = 0; k < QC_QA_NORM_PER; k++) {
+        const int b = warp + k * QC_QA_WARPS;
+        if (b < dim / 32) {
+            const float xi = xf[32 * b + lane];
+            qc_q8_quantize_block(norm_w ? xi * scale * w[k] : xi, lane, qs + 32 * b, ds + b);
+        }
+    }
+    __syncthreads();
+}
+
+template <int G, typename KV, int HD>
+__global__ void __launch_bounds__(QC_QA_THREADS)
+qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int half = HD / 2;
+    constexpr int ITEMS = (3 * half + QC_QA_CLUSTER_WARPS - 1) / QC_QA_CLUSTER_WARPS;   /* row pairs a warp */
+    constexpr int pub_floats = (QC_ATT_SPLIT_THREADS / G) * (2 + HD);
+    extern __shared__ float4 qc_qa_smem[];
+    __shared__ float weight[32];
+    __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    float *qn = (float *)qc_qa_smem;
+    KV *kn = (KV *)(qn + HD), *vn = (KV *)(qn + 2 * HD);
+    float *region = qn + 3 * HD;
+    float *xf = region;
+    int8_t *xs_qs = (int8_t *)(xf + P.dim);
+    float2 *xs_ds = qc_q8x_ds_at(xs_qs, 1, P.dim);
+    float *pub = region, *parts = region + QC_ATT_CLUSTER_SPLITS * pub_floats;
+
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    const unsigned rank = cluster.block_rank();   /* = blockIdx.y: the cluster spans the grid's y */
+    const int h = blockIdx.x, group_heads = P.n_head / P.n_head_kv, kvh = h / group_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = threadIdx.x / QC_ATT_SPLIT_THREADS, tid = threadIdx.x % QC_ATT_SPLIT_THREADS;
+    const int split = (int)rank * QC_ATT_CLUSTER_SPLITS + sub;
+    const bool writes_kv = h % group_heads == 0;   /* the KV head's first cluster */
+    const KV *k_cache = (const KV *)P.k_cache, *v_cache = (const KV *)P.v_cache;
+    const int kv_dim = P.n_head_kv * HD;
+
+    /* 1. barrier phase 1, arrival: this block has started (no block stores into another's shared
+     *    memory before that one runs) */
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    const int pos = P.pos[0];
+    qc_att_held<KV, QC_ATT_HELD> held;
+    qc_att_held_load<G, KV, QC_ATT_HELD>(held, k_cache, v_cache, P.hold ? pos : 0, h, split, QC_ATT_SPLITS, P.n_head,
+                                         P.n_head_kv, HD, tid);
+    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, pos - 1, h, split, QC_ATT_SPLITS, P.n_head, P.n_head_kv, HD, tid,
+                                P.hold ? QC_ATT_HELD : 0);
+    /* this warp's pairs: item it is pair it % half of q (it < half), k or v (it / half) */
+    double2 cs[ITEMS];
+    float bias_a[ITEMS], bias_b[ITEMS];
+#pragma unroll
+    for (int k = 0; k < ITEMS; k++) {
+        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        cs[k] = make_double2(1.0, 0.0);
+        bias_a[k] = bias_b[k] = 0.0f;
+        if (it >= 3 * half) continue;
+        const qc_qa_w &w = P.w[which];
+        const int64_t r = (int64_t)(which == 0 ? h : kvh) * HD + i;
+        qc_qa_prefetch_row(w.W + r * w.row_bytes, w.row_bytes, lane);
+        qc_qa_prefetch_row(w.W + (r + half) * w.row_bytes, w.row_bytes, lane);
+        if (lane == 0) {
+            if (w.bias) bias_a[k] = w.bias[r], bias_b[k] = w.bias[r + half];
+            if (which < 2 && !P.rope_read) cs[k] = qc_rope_angle(i, HD, pos, P.theta);
+        }
+    }
+    float norm_w[QC_QA_NORM_PER];
+#pragma unroll
+    for (int k = 0; k < QC_QA_NORM_PER; k++) {
+        const int b = warp + k * QC_QA_WARPS;
+        norm_w[k] = P.norm_w && b < P.dim / 32 ? __ldg(P.norm_w + 32 * b + lane) : 0.0f;
+    }
+    qc_grid_start();
+    /* the angles: from the step's first launch (read here, used after the dot products), or
+     * computed above by this one, which leaves them for the others */
+#pragma unroll
+    for (int k = 0; k < ITEMS; k++) {
+        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        if (it >= 3 * half || which == 2 || lane != 0) continue;
+        if (P.rope_read) cs[k] = __ldcg(P.rope_cs + i);
+        else if (h == 0 && which == 0) P.rope_cs[i] = cs[k];
+    }
+
+    /* 2. x normalised and quantized, in every block */
+    qc_qa_norm_quantize(P.x, P.norm_w, norm_w, P.dim, P.eps, xf, xs_qs, xs_ds, norm_tmp);
+    const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};
+
+    /* 3. the rows: both of a pair in one loop (qc_gemv_q8_row2: each row qc_gemv_q8_row_slice's
+     *    sums), rotated, stored into every block of the cluster once they all run */
+    float ya[ITEMS], yb[ITEMS];
+#pragma unroll
+    for (int k = 0; k < ITEMS; k++) {
+        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        ya[k] = yb[k] = 0.0f;
+        if (it >= 3 * half) continue;
+        const qc_qa_w &w = P.w[which];
+        const int64_t r = (int64_t)(which == 0 ? h : kvh) * HD + i;
+        float a[1], b[1];
+        qc_gemv_q8_row2_any<1>(w.type, w.W + r * w.row_bytes, w.W + (r + half) * w.row_bytes, P.dim, xs, 1, 0, lane, a,
+                               b);
+        ya[k] = w.bias ? a[0] + bias_a[k] : a[0];
+        yb[k] = w.bias ? b[0] + bias_b[k] : b[0];
+    }
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");   /* phase 1: every block runs */
+    float2 y[ITEMS];
+#pragma unroll
+    for (int k = 0; k < ITEMS; k++) {
+        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        if (it >= 3 * half) continue;
+        y[k] = which < 2 ? qc_rope_apply(ya[k], yb[k], cs[k]) : make_float2(ya[k], yb[k]);   /* lane 0's */
+        y[k].x = __shfl_sync(0xffffffffu, y[k].x, 0);
+        y[k].y = __shfl_sync(0xffffffffu, y[k].y, 0);
+        /* lane b stores into block b */
+        if (lane < QC_ATT_CLUSTER) {
+            if (which == 0) {
+                float *to = cluster.map_shared_rank(qn, lane);
+                to[i] = y[k].x;
+                to[i + half] = y[k].y;
+            } else {
+                KV *to = cluster.map_shared_rank(which == 1 ? kn : vn, lane);
+                qc_kv_put(to + i, y[k].x);
+                qc_kv_put(to + i + half, y[k].y);
+            }
+        }
+    }
+    /* phase 2: the rows stored and visible in every block (release, acquire); the global stores
+     * only after the arrival, so that the release does not wait for them (later launches read
+     * them) */
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < ITEMS; k++) {
+        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        if (it >= 3 * half || lane != 0 || (which > 0 && !writes_kv)) continue;
+        const int64_t r = (int64_t)(which == 0 ? h : kvh) * HD + i;
+        float *out = P.w[which].out;
+        out[r] = y[k].x;
+        out[r + half] = y[k].y;
+        if (which > 0) {
+            KV *row = (KV *)(which == 1 ? P.k_cache : P.v_cache) + (int64_t)pos * kv_dim;
+            qc_kv_put(row + r, y[k].x);
+            qc_kv_put(row + r + half, y[k].y);
+        }
+    }
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+
+    /* 4. the attention: this block's splits, then the cluster's merge in block 0 */
+    qc_att_split_partial<G, KV, true, QC_ATT_HELD, true>(qn, k_cache, v_cache, pos, h, split, QC_ATT_SPLITS, 0,
+                                                         P.n_head, P.n_head_kv, HD, P.scale, parts + split * (HD + 2),
+                                                         pub + sub * pub_floats, tid, &held, kn, vn);
+    __syncthreads();   /* this block's partials complete */
+    qc_att_cluster_merge<HD>(parts, rank, h, P.out, P.out_qs, P.out_ds, weight);
+#endif
+}
+
+/* Whether one token's qkv_attention runs the one launch (else the two ops): the cluster
+ * attention's case of the attention op, 8-bit GEMV weights of whole heads, x in shared memory. */
+static int qa_takes(qc_backend *be, const qc_matmul_part *qkv, int n, int n_kv, int n_head, int n_head_kv,
+                    int head_dim, qc_kv_cache cache) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (!cu->qkv_attention || !cu->clusters || n != 1 || n_head <= 0 || n_head_kv <= 0 || n_head % n_head_kv != 0 ||
+        n_head > 65535 || (cache.type != QC_KV_F16 && cache.type != QC_KV_F32))
+        return 0;
+    const int G = qc_att_group_lanes(head_dim);
+    if (!qc_att_cluster_takes(G, head_dim) || !qc_cuda_attention_splits(be, cache.type, 1, n_kv, n_head, head_dim))
+        return 0;
+    const int64_t dim = qkv[0].w->cols, rows[3] = {(int64_t)n_head * head_dim, (int64_t)n_head_kv * head_dim,
+                                                   (int64_t)n_head_kv * head_dim};
+    if (dim > QC_NORM_FUSE_MAX_COLS || (int64_t)n_head * head_dim > QC_Q8X_MAX_COLS || head_dim > 2 * QC_ROPE_CS_MAX)
+        return 0;
+    for (int i = 0; i < 3; i++)
+        if (qkv[i].w->rows != rows[i] || qkv[i].w->cols != dim || !qc_cuda_gemv_q8(be, qkv[i].w->type, dim)) return 0;
+    return qa_smem_bytes(G, head_dim, dim) <= QC_SHARED_COPY_MAX;
+}
+
+template <typename KV>
+static void launch(const qc_cuda *cu, const qc_qa_params &p, int head_dim, size_t smem) {
+    const dim3 grid((unsigned)p.n_head, QC_ATT_CLUSTER, 1), block(QC_QA_THREADS), cluster(1, QC_ATT_CLUSTER, 1);
+    if (head_dim == 64) qc_launch_ex(cu, qc_qkv_attention_kernel<16, KV, 64>, grid, block, smem, cluster, p);
+    else qc_launch_ex(cu, qc_qkv_attention_kernel<32, KV, 128>, grid, block, smem, cluster, p);
+}
+
+int qc_cuda_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,
+                          float eps, const int32_t *pos, int n_kv, int n_head, int n_head_kv, int head_dim,
+                          float theta, qc_kv_cache cache, float *out) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (!qa_takes(be, qkv, n, n_kv, n_head, n_head_kv, head_dim, cache)) {
+        if (qc_cuda_matmul_qkv_rope(be, qkv, x, n, norm_w, eps, pos, n_head, n_head_kv, head_dim, theta, cache) < 0)
+            return -1;
+        return qc_cuda_attention(be, qkv[0].out, cache, pos, n, n_kv, n_head, n_head_kv, head_dim, out, NULL, NULL);
+    }
+    const int64_t dim = qkv[0].w->cols, q_dim = (int64_t)n_head * head_dim;
+    qc_qa_params p = {};
+    for (int i = 0; i < 3; i++)
+        p.w[i] = qc_qa_w{(const uint8_t *)qkv[i].w->data, qkv[i].bias, qkv[i].out, qc_row_bytes(qkv[i].w->type, dim),
+                         qkv[i].w->type};
+    p.x = x;
+    p.norm_w = norm_w;
+    p.eps = eps;
+    p.scale = 1.0f / sqrtf((float)head_dim);
+    p.dim = (int)dim;
+    p.n_head = n_head;
+    p.n_head_kv = n_head_kv;
+    p.hold = cu->att_hold;
+    p.theta = (double)theta;
+    p.rope_cs = cu->rope_cs;
+    p.rope_read = cu->rope_of_pos == pos && cu->rope_of_theta == theta && cu->rope_of_head_dim == head_dim;
+    p.pos = pos;
+    p.k_cache = cache.k;
+    p.v_cache = cache.v;
+    p.out = out;
+    p.out_qs = (int8_t *)cu->q8x;
+    p.out_ds = qc_q8x_ds_at(cu->q8x, 1, q_dim);
+    const size_t smem = qa_smem_bytes(qc_att_group_lanes(head_dim), head_dim, dim);
+    if (cache.type == QC_KV_F16) launch<__half>(cu, p, head_dim, smem);
+    else launch<float>(cu, p, head_dim, smem);
+    if (QC_LAUNCHED(be, "qc_qkv_attention_kernel") < 0) return -1;
+    /* out's 8-bit form is in q8x, as the attention op leaves it (x_from_last_op, backend.h) */
+    cu->q8x_of = out;
+    cu->q8x_cols = q_dim;
+    cu->q8x_of_at = cu->q8x;
+    cu->norm_of = NULL;
+    cu->rope_of_pos = pos;
+    cu->rope_of_theta = theta;
+    cu->rope_of_head_dim = head_dim;
+    return 0;
+}

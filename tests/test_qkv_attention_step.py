@@ -1,0 +1,86 @@
+"""qkv_attention's one launch in a decode step (kernels/qkv_attention.cu: a layer's attention norm,
+q, k, v, RoPE, cache write and attention in one kernel, RoPE's angles computed by the step's first
+launch and read by the later layers') against the same step with matmul_qkv_rope and attention as
+two ops (QWENCUDA_QKV_ATTENTION=0, read when a model's backend is made). The launch computes every
+value with the two ops' device functions in their order, so the logits must be equal bit for bit
+(tolerance 0): recorded and replayed or eager (QWENCUDA_NO_GRAPHS=1), every weight type with an
+8-bit GEMV, head_dim 64 and 128, both cache types; greedy and sampled tokens then follow, with the
+next step queued on the device (feed_draw moves the position the angles were read for). Needs the
+GPU machine."""
+import os
+
+import numpy as np
+import pytest
+
+import qwencuda as qc
+from qwencuda import testing
+
+pytestmark = pytest.mark.gpu
+
+Q8_TYPES = ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "q4_k_m"]
+
+
+def _model(path, monkeypatch, one_launch):
+    """The model on CUDA, its backend made with the one launch on or off."""
+    with monkeypatch.context() as mp:
+        mp.setenv("QWENCUDA_QKV_ATTENTION", "1" if one_launch else "0")
+        return qc.Model(path, device="cuda")
+
+
+def _logits(path, monkeypatch, ids, n_prompt, kv_type, graphs):
+    """Logits of every step after an n_prompt-token prefill, with and without the one launch."""
+    out = []
+    for one_launch in (True, False):
+        with _model(path, monkeypatch, one_launch) as m:
+            with monkeypatch.context() as mp:
+                if not graphs:
+                    mp.setenv("QWENCUDA_NO_GRAPHS", "1")
+                s = m.session(max_context=96, kv_type=kv_type)
+            with s:
+                s.prefill(ids[:n_prompt])
+                rows = [s.step(int(t)).logits[0].copy() for t in ids[n_prompt:]]
+                assert s.last_path == ("graph" if graphs else "ops"), s.last_path
+        out.append(np.array(rows))
+    return out
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("weight_type", Q8_TYPES)
+@pytest.mark.parametrize("config", ["tiny-hd64", "tiny-hd128"])
+def test_step_equals_the_two_ops(tmp_path, monkeypatch, config, weight_type, kv_type):
+    path = str(tmp_path / "m.gguf")
+    testing.write_model(path, config=config, weight_type=weight_type)
+    ids = np.random.default_rng(11).integers(0, 400, size=40)
+    for graphs in (True, False):
+        with_launch, two_ops = _logits(path, monkeypatch, ids, 6, kv_type, graphs)
+        np.testing.assert_array_equal(with_launch, two_ops)
+
+
+def test_qwen05b_greedy_and_sampled_tokens(tmp_path, monkeypatch):
+    """The real 0.5B shapes (24 layers, 14/2 heads): greedy tokens and the device sampler's draws,
+    each next step queued before the host has seen the token."""
+    shared = os.environ.get("QWENCUDA_SYNTH_DIR")   # scripts/gpu_check.sh shares the 0.5B files
+    path = os.path.join(shared, "qwen05b-q4_k_m.gguf") if shared else str(tmp_path / "m.gguf")
+    if not os.path.exists(path):
+        part = f"{path}.{os.getpid()}.part"
+        testing.write_model(part, config="qwen2.5-0.5b", weight_type="q4_k_m")
+        os.replace(part, path)
+    prompt = [9707, 11, 1879, 0, 576, 374, 264, 1273]
+    runs = []
+    for one_launch in (True, False):
+        with _model(path, monkeypatch, one_launch) as m:
+            toks, drawn = [], []
+            with m.session(max_context=128) as s:
+                tr = s.prefill(prompt)
+                for _ in range(40):
+                    toks.append(int(tr.argmax[-1]))
+                    tr = s.step(toks[-1])
+            sp = qc.Sampler(m.config.n_vocab, temperature=0.9, top_p=0.95, seed=4)
+            with m.session(max_context=128) as s:
+                tr = s.prefill(prompt, sampler=sp)
+                for _ in range(40):
+                    drawn.append(tr.token)
+                    sp.accept(tr.token)
+                    tr = s.step(tr.token, logits=None, sampler=sp)
+            runs.append((toks, drawn, tr.token))
+    assert runs[0] == runs[1]
