@@ -37,7 +37,7 @@
  * launches read them after their wait (qc_cuda's rope_of_pos says whether rope_cs holds this
  * position's; uploads, copies, feed_draw and recordings end it).
  *
- * Measured (H100, real file; bench/results/20261125-*, addendum), per layer: the first build
+ * Measured (H100, real file; bench/results/20261125-f0bdc45-*, addendum), per layer: the first build
  * 10.7 us (the step 1807-1818 tok/s at 512 keys against 1897-1901 for the three kernels); the
  * angles read, not computed: 8.6 us, even with them; the rows' global stores after the second
  * barrier's arrival, not before it (its release waited for them): 1.2 -> 1.0 us between the
