@@ -388,9 +388,9 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
 
 /* ---- split-K in thread-block clusters (sm_90): attention.cu's cluster kernel, and the
  * attention of qkv_attention.cu ----
- * The splits merged without a round trip through global memory: the QC_ATT_SPLITS splits of a (head, token) are the QC_ATT_CLUSTER blocks of one
- * cluster, QC_ATT_CLUSTER_SPLITS splits a block (QC_ATT_SPLIT_THREADS threads each, computing
- * exactly what the split kernel's blocks do). Each block copies its splits' partials into block
+ * The splits merged without a round trip through global memory: the QC_ATT_SPLITS splits of a
+ * (head, token) are the QC_ATT_CLUSTER blocks of one cluster, QC_ATT_CLUSTER_SPLITS splits a
+ * block (QC_ATT_SPLIT_THREADS threads each, computing exactly what the split kernel's blocks do). Each block copies its splits' partials into block
  * 0's shared memory (distributed shared memory), arrives at the cluster barrier and leaves;
  * block 0 waits there for all of them and merges the partials from its own shared memory with
  * qc_att_merge_splits.
@@ -416,10 +416,10 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim) {
 
 /* Keys held in registers before the wait: the K and V rows of the keys before the eval's
  * positions were written by earlier evals, not by any kernel of this one (only its new keys' rows
- * are: the q/k/v kernel just before), and every kernel before the q/k/v kernel has finished when
- * this one launches (the q/k/v kernel lets it launch only after its own wait). So each group
- * loads the rows of its first QC_ATT_HELD keys (of every 256 at head_dim 64: all of them up to
- * 512 keys) while the q/k/v kernel still runs, and after the wait its loop starts with them
+ * are: the q/k/v kernel just before, or qkv_attention.cu's launch itself), and every kernel before
+ * the one before has finished when a kernel launches (qc_grid_start lets the next launch only
+ * after its own wait). So each group loads the rows of its first QC_ATT_HELD keys (of every 256
+ * at head_dim 64: all of them up to 512 keys) while the kernel before still runs, and after the wait its loop starts with them
  * instead of with a round trip to L2. H100, real 0.5B file, one lease (bench/results/
  * 20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
  * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a

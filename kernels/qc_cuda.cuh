@@ -245,9 +245,9 @@ __device__ __forceinline__ float qc_silu_mul(float g, float u) {
  * host uploads by copies (a copy in the stream completes before any later kernel starts; the
  * PDL edge exists only between two kernels) or feed_draw writes as the last kernel of a recorded
  * decode step (sample.cu) for the step's next replay (a graph launch starts after the whole
- * graph before it has finished); and, in the decode attention launched after the q/k/v kernel,
- * the KV rows of keys before the eval's positions, which only earlier evals wrote (attention.cu,
- * QC_ATT_HELD). It may ask L2 for any line (qc_prefetch_line_l2:
+ * graph before it has finished); and, in the decode attention (attention.cu's after the q/k/v
+ * kernel, qkv_attention.cu's), the KV rows of keys before the eval's positions, which only
+ * earlier evals wrote (qc_attention.cuh, QC_ATT_HELD). It may ask L2 for any line (qc_prefetch_line_l2:
  * a hint that returns no value, and L2 is where every write lands), such as the weights
  * (qc_gemv_prefetch) or the KV rows a split attention block will read. qc_grid_start
  * then lets the next kernel launch, so at most two grids of a stream are in flight, except
