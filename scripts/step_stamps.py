@@ -16,7 +16,7 @@ This tool answers that, for a copy of the tree, without changing the tree itself
         with the patched build first on sys.path and QC_STAMPS set: a 512-token prefill, then
         STEPS (64) greedy steps through the public API, as the bench runs them.
     python scripts/step_stamps.py kernels DUMP TAGS [STEPS]
-        per kernel of the last STEPS (16) decode steps, medians in us: crit (the next grid's
+        per kernel of the last STEPS (8) decode steps, medians in us: crit (the next grid's
         first release minus this one's: its share of the step), gap (first release minus the
         grid before's last end), placed (last block's entry minus the first release: > 0 means
         blocks placed after it), ready (last arrival at the wait minus the first release),
@@ -31,6 +31,9 @@ Inner marks: the 8-bit decode GEMVs (matmul.cu, matmul_swiglu.cu) 4 = their weig
 shared memory, 5 = the dot products done; qkv_attention.cu 4 = x normalised, 5 = the rows
 exchanged in the cluster, 6 = the attention's partials done.
 
+Each translation unit keeps the last 2^20 blocks it launched: at 0.5B, matmul.cu's ~60k a step (the lm_head alone
+38k) fill that in ~17 steps, so the reports take the last 8.
+
 Cost: an atomic at each block's entry (its result used only at the end) and eight stores at its
 end: the real file's 0.5B decode ran 1756 tok/s stamped against 1913-1921 (H100), so compare
 stamped builds with stamped builds. What it found is in bench/results/20261125-c5a1fd0-*.
@@ -42,7 +45,7 @@ import sys
 INFRA = r'''
 /* ---- step_stamps.py: %globaltimer stamps of every block (a measuring copy of the tree only) ---- */
 #include <stdio.h>
-#define QC_ST_RING (1u << 19)
+#define QC_ST_RING (1u << 20)   /* 1M blocks: matmul.cu launches ~60k a 0.5B step */
 #define QC_ST_EV 8
 struct qc_st_rec { unsigned tag, block, nblocks, smid; unsigned long long t[QC_ST_EV]; };
 static __device__ qc_st_rec qc_st_r[QC_ST_RING];
@@ -222,7 +225,7 @@ def steps_of(G):
     return list(zip(starts, starts[1:]))
 
 
-def kernels(dump, tags, nsteps=16):
+def kernels(dump, tags, nsteps=8):
     import numpy as np
     G = grids(*load(dump, tags))
     spans = steps_of(G)[-nsteps:]
