@@ -31,8 +31,8 @@ Inner marks: the 8-bit decode GEMVs (matmul.cu, matmul_swiglu.cu) 4 = their weig
 shared memory, 5 = the dot products done; qkv_attention.cu 4 = x normalised, 5 = the rows
 exchanged in the cluster, 6 = the attention's partials done.
 
-Each translation unit keeps the last 2^20 blocks it launched: at 0.5B, matmul.cu's ~60k a step (the lm_head alone
-38k) fill that in ~17 steps, so the reports take the last 8.
+Each translation unit keeps the last 2^19 blocks it launched: at 0.5B, matmul.cu's ~60k a step (the lm_head alone
+38k) fill that in ~9 steps, so the kernels report takes the last 8. (2^20 failed to link on the H100 machine.)
 
 Cost: an atomic at each block's entry (its result used only at the end) and eight stores at its
 end: the real file's 0.5B decode ran 1756 tok/s stamped against 1913-1921 (H100), so compare
@@ -45,7 +45,7 @@ import sys
 INFRA = r'''
 /* ---- step_stamps.py: %globaltimer stamps of every block (a measuring copy of the tree only) ---- */
 #include <stdio.h>
-#define QC_ST_RING (1u << 20)   /* 1M blocks: matmul.cu launches ~60k a 0.5B step */
+#define QC_ST_RING (1u << 19)   /* 512k blocks: matmul.cu launches ~60k a 0.5B step */
 #define QC_ST_EV 8
 struct qc_st_rec { unsigned tag, block, nblocks, smid; unsigned long long t[QC_ST_EV]; };
 static __device__ qc_st_rec qc_st_r[QC_ST_RING];
