@@ -112,26 +112,23 @@ __device__ __forceinline__ void qc_q8_x(const int8_t *qs, int64_t b, int (&x)[8]
     x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = c.x; x[5] = c.y; x[6] = c.z; x[7] = c.w;
 }
 
-/* The four bytes of v, each in [0, 2^(B+1)), minus 2^B as signed bytes: __vsub4(v, 2^B in every
- * byte)'s value. A byte with bit B set keeps its low B bits; one without it is its low bits plus
- * 256 - 2^B. The bits are disjoint, so the sum is one multiply-add and a mask, where __vsub4 has
- * no sm_90 instruction and is emulated. The 0.5B decode GEMVs unpack every Q5_0 weight this way
- * (16 weights a word pair): on the SMs that hold two gate/up blocks, that kernel's dot products
- * were issue-bound (stamps: 2.9 us against 1.7 on the SMs with one). H100, real file, one lease:
- * 1733-1745 -> 1785-1793 tok/s at 512 keys, 1528-1531 -> 1564-1568 at 2560
- * (bench/results/20261124-1f22d20-*). */
-template <int B>
-__device__ __forceinline__ int qc_sub_bias4(uint32_t v) {
-    constexpr uint32_t ones = 0x01010101u, low = ones * ((1u << B) - 1u), fill = 0x100u - (1u << B);
-    return (int)((((v >> B) & ones) ^ ones) * fill + (v & low));
-}
+/* Q4_0, Q5_0 and Q6_K store q = w + B (B = 8, 16, 32), q < 2B. Their dot products take the
+ * bytes q as they are (non-negative, so also valid signed bytes) and subtract B * (the sum of x)
+ * once: dot(q - B, x) = dot(q, x) - B * dot(1, x), both exact in int, so the same s (and the
+ * same bits) as subtracting B from every byte first, which took five operations a word where
+ * this takes one dp4a of ones a word. Why: in the 0.5B decode GEMVs the unpacking is much of
+ * the dot products (the o projection's on Q8_0 bytes, no unpacking at all, ended 1.55 -> 1.20 us
+ * after its release; bench/results/20261125-c5a1fd0-*). Measured (H100, real file, one lease,
+ * 3 rounds against the subtraction): 1929.8, 1915.4, 1926.0 -> 1943.7, 1924.7, 1924.8 tok/s at
+ * 512 keys, 1690.4, 1678.6, 1693.8 -> 1706.3, 1700.4, 1697.0 at 2560; logits bit-identical. */
+#define QC_ONES4 0x01010101
 
 /* bit i of b (i < 4) to bit 4 of byte i: the fifth bit of four Q5_0 weights */
 __device__ __forceinline__ int qc_spread4(uint32_t b) { return (int)(((b * 0x00204081u) & 0x01010101u) << 4); }
 
-/* The 32-element formats' last step: acc[j] += d * d_x * dot(w, x block b) for the tokens
- * t0 + j < n, w the block's 32 weights as signed bytes (Q8_0, Q4_0, Q5_0). */
-template <int NT>
+/* The 32-element formats' last step: acc[j] += d * d_x * dot(w - BIAS, x block b) for the tokens
+ * t0 + j < n, w the block's 32 weights as signed bytes (Q8_0; Q4_0 and Q5_0 with their BIAS). */
+template <int NT, int BIAS = 0>
 __device__ __forceinline__ void qc_q8_dot32(const int (&w)[8], float d, int64_t b, const qc_q8x &x, int n,
                                             int t0, float (&acc)[NT]) {
 #pragma unroll
@@ -139,9 +136,13 @@ __device__ __forceinline__ void qc_q8_dot32(const int (&w)[8], float d, int64_t 
         if (t0 + j >= n) break;
         int xv[8];
         qc_q8_x(x.qs + (t0 + j) * x.qs_stride, b, xv);
-        int s = 0;
+        int s = 0, sx = 0;
 #pragma unroll
-        for (int k = 0; k < 8; k++) s = __dp4a(w[k], xv[k], s);
+        for (int k = 0; k < 8; k++) {
+            s = __dp4a(w[k], xv[k], s);
+            if constexpr (BIAS != 0) sx = __dp4a(QC_ONES4, xv[k], sx);
+        }
+        if constexpr (BIAS != 0) s -= BIAS * sx;   /* w held q = w + BIAS (QC_ONES4) */
         acc[j] += d * x.ds[(t0 + j) * x.ds_stride + b].x * (float)s;
     }
 }
@@ -174,10 +175,10 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
         const float d = qc_ldh<SH>(b + offsetof(qc_block_q4_0, d));
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            w[k] = qc_sub_bias4<3>((uint32_t)q[k] & 0x0F0F0F0Fu);
-            w[k + 4] = qc_sub_bias4<3>(((uint32_t)q[k] >> 4) & 0x0F0F0F0Fu);
+            w[k] = (int)((uint32_t)q[k] & 0x0F0F0F0Fu);
+            w[k + 4] = (int)(((uint32_t)q[k] >> 4) & 0x0F0F0F0Fu);
         }
-        qc_q8_dot32<NT>(w, d, u, x, n, t0, acc);
+        qc_q8_dot32<NT, 8>(w, d, u, x, n, t0, acc);
     }
 };
 
@@ -195,10 +196,10 @@ template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const uint32_t q = (uint32_t)hq[k + 1];
-            w[k] = qc_sub_bias4<4>((q & 0x0F0F0F0Fu) | qc_spread4((qh >> (4 * k)) & 15u));
-            w[k + 4] = qc_sub_bias4<4>(((q >> 4) & 0x0F0F0F0Fu) | qc_spread4((qh >> (16 + 4 * k)) & 15u));
+            w[k] = (int)((q & 0x0F0F0F0Fu) | qc_spread4((qh >> (4 * k)) & 15u));
+            w[k + 4] = (int)(((q >> 4) & 0x0F0F0F0Fu) | qc_spread4((qh >> (16 + 4 * k)) & 15u));
         }
-        qc_q8_dot32<NT>(w, d, u, x, n, t0, acc);
+        qc_q8_dot32<NT, 16>(w, d, u, x, n, t0, acc);
     }
 };
 
@@ -284,8 +285,8 @@ template <> struct qc_q8_unit<QC_TYPE_Q6_K> {
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             const uint32_t l4 = (uint32_t)ql[k], h2 = (uint32_t)qh[k];
-            lo[k] = qc_sub_bias4<5>((l4 & 0x0F0F0F0Fu) | ((h2 >> (2 * tt)) & 0x03030303u) << 4);
-            hi[k] = qc_sub_bias4<5>(((l4 >> 4) & 0x0F0F0F0Fu) | ((h2 >> (2 * tt + 4)) & 0x03030303u) << 4);
+            lo[k] = (int)((l4 & 0x0F0F0F0Fu) | ((h2 >> (2 * tt)) & 0x03030303u) << 4);   /* q = w + 32 */
+            hi[k] = (int)(((l4 >> 4) & 0x0F0F0F0Fu) | ((h2 >> (2 * tt + 4)) & 0x03030303u) << 4);
         }
         const int64_t xb = 8 * (u >> 2) + 4 * hh + tt;    /* activation blocks xb and xb + 2 */
 #pragma unroll
@@ -296,14 +297,22 @@ template <> struct qc_q8_unit<QC_TYPE_Q6_K> {
             int x0[8], x1[8];
             qc_q8_x(xq, xb, x0);
             qc_q8_x(xq, xb + 2, x1);
-            int la = 0, lb = 0, ha = 0, hb = 0;
+            int la = 0, lb = 0, ha = 0, hb = 0, sla = 0, slb = 0, sha = 0, shb = 0;
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 la = __dp4a(lo[k], x0[k], la);
                 lb = __dp4a(lo[k + 4], x0[k + 4], lb);
                 ha = __dp4a(hi[k], x1[k], ha);
                 hb = __dp4a(hi[k + 4], x1[k + 4], hb);
+                sla = __dp4a(QC_ONES4, x0[k], sla);
+                slb = __dp4a(QC_ONES4, x0[k + 4], slb);
+                sha = __dp4a(QC_ONES4, x1[k], sha);
+                shb = __dp4a(QC_ONES4, x1[k + 4], shb);
             }
+            la -= 32 * sla;   /* each sub-block's dot(q - 32, x) */
+            lb -= 32 * slb;
+            ha -= 32 * sha;
+            hb -= 32 * shb;
             acc[j] += d * ((float)(sc0 * la + sc1 * lb) * xd[xb].x + (float)(sc2 * ha + sc3 * hb) * xd[xb + 2].x);
         }
     }
