@@ -142,7 +142,7 @@ __device__ __forceinline__ void qc_q8_dot32(const int (&w)[8], float d, int64_t 
             s = __dp4a(w[k], xv[k], s);
             if constexpr (BIAS != 0) sx = __dp4a(QC_ONES4, xv[k], sx);
         }
-        if constexpr (BIAS != 0) s -= BIAS * sx;   /* w held q = w + BIAS (QC_ONES4) */
+        if constexpr (BIAS != 0) s -= BIAS * sx;   /* the bytes were q = w + BIAS */
         acc[j] += d * x.ds[(t0 + j) * x.ds_stride + b].x * (float)s;
     }
 }
