@@ -13,8 +13,8 @@ This tool answers that, for a copy of the tree, without changing the tree itself
         to the file $QC_STAMPS when it is destroyed. TREE/stamp_tags.txt names the kernels.
         Build TREE as usual (QWENCUDA_CUDA=1 python setup.py build_ext --inplace).
     python scripts/step_stamps.py decode MODEL [STEPS]
-        with the patched build first on sys.path and QC_STAMPS set: a 512-token prefill, then
-        STEPS (64) greedy steps through the public API, as the bench runs them.
+        with the patched build first on sys.path and QC_STAMPS set: the bench's decode round
+        (qwencuda.bench), a 512-token prefill and STEPS (64) greedy steps.
     python scripts/step_stamps.py kernels DUMP TAGS [STEPS]
         per kernel of the last STEPS (8) decode steps, medians in us: crit (the next grid's
         first release minus this one's: its share of the step), gap (first release minus the
@@ -169,17 +169,12 @@ def patch(tree):
     print(f"{len(tags)} kernels stamped; names in {t / 'stamp_tags.txt'}")
 
 
-def decode(model, steps=64):
+def decode(model, steps=64, device="cuda"):
+    """The bench's decode round (qwencuda.bench): a 512-token prefill, then steps greedy steps."""
     import qwencuda
-    from qwencuda.sampling import Sampler
-    m = qwencuda.Model(model, device="cuda")
-    greedy = Sampler(m.config.n_vocab, temperature=0.0)
-    with m.session(max_context=512 + steps + 8) as s:
-        ids = [(1000 + 7 * i) % m.config.n_vocab for i in range(512)]
-        t = s.prefill(ids, logits=None, sampler=greedy).token
-        for _ in range(steps):
-            t = s.step(t, logits=None, sampler=greedy).token
-    m.close()
+    from qwencuda.bench import _one_round
+    with qwencuda.Model(model, device=device) as m:
+        _one_round(m, [(1000 + 7 * i) % m.config.n_vocab for i in range(512)], steps)
 
 
 def load(dump, tags):

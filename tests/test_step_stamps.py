@@ -2,6 +2,7 @@
 reports read a dump correctly (a synthetic one with known times)."""
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def patched(tmp_path_factory):
 
 def test_patch_stamps_every_kernel_and_the_decode_phases(patched):
     names = (patched / "stamp_tags.txt").read_text().split()
-    kernels = sum(len(__import__("re").findall(r"__global__\s", f.read_text()))
+    kernels = sum(len(re.findall(r"__global__\s", f.read_text()))
                   for f in (ROOT / "kernels").glob("*.cu"))
     # every __global__ definition has a guard (a declaration would have none: there are none)
     assert len(names) - 1 == kernels
@@ -48,6 +49,13 @@ def test_patch_refuses_a_changed_kernel(tmp_path):
     f.write_text(f.read_text().replace("qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);", "/* gone */"))
     with pytest.raises(SystemExit, match="update step_stamps.py"):
         step_stamps.patch(tmp_path)
+
+
+def test_decode_runs_the_bench_round(tmp_path):
+    """decode: the bench's round on a model (here a tiny one on the CPU; on the GPU with QC_STAMPS)."""
+    from qwencuda.testing.writer import write_model
+    path = write_model(tmp_path / "tiny.gguf", "tiny")
+    step_stamps.decode(str(path), 3, device="cpu")
 
 
 def _nvcc():
