@@ -453,15 +453,17 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
          * the argmax's thread-block clusters (attention.cu, argmax.cu), and the decode GEMVs'
          * weight copies to shared memory (qc_copy_to_shared), and the attention's keys loaded
          * before its wait (attention.cu, QC_ATT_HELD), and read_ahead's hints (matmul.cu), and
-         * qkv_attention's one launch (qkv_attention.cu): QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0,
-         * QWENCUDA_WEIGHTS_SHARED=0, QWENCUDA_ATTENTION_HOLD=0, QWENCUDA_READ_AHEAD=0 and
-         * QWENCUDA_QKV_ATTENTION=0 turn them off */
+         * qkv_attention's one launch (qkv_attention.cu), and the lm_head's four rows a warp
+         * (matmul.cu): QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0, QWENCUDA_WEIGHTS_SHARED=0,
+         * QWENCUDA_ATTENTION_HOLD=0, QWENCUDA_READ_AHEAD=0, QWENCUDA_QKV_ATTENTION=0 and
+         * QWENCUDA_GEMV_ROWS4=0 turn them off */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
         cu->w_shared = sm90 && env_on("QWENCUDA_WEIGHTS_SHARED");
         cu->att_hold = env_on("QWENCUDA_ATTENTION_HOLD");
         cu->read_ahead = env_on("QWENCUDA_READ_AHEAD");
         cu->qkv_attention = env_on("QWENCUDA_QKV_ATTENTION");
+        cu->gemv_rows4 = env_on("QWENCUDA_GEMV_ROWS4");
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

@@ -143,6 +143,55 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
     }
 }
 
+/* One token against more rows than one wave of qc_gemv_kernel's blocks holds (the lm_head: 151936
+ * rows), QC_GEMV_ROWS4 rows a warp: qc_gemv_q8_row4 (each row qc_gemv_q8_row_slice's operations)
+ * where the warp has all four, qc_gemv_q8_row_slice for the rows of a last, partial four; bias
+ * and residual as qc_gemv_kernel adds them; eight warps a block. The same bits as qc_gemv_kernel,
+ * in an eighth of its blocks, with four rows' loads in flight a lane. Why: qc_gemv_kernel gives
+ * the 0.5B's lm_head 37984 blocks of four rows, about 290 an SM one after another, and streamed
+ * its 145 MB at 2.2 TB/s, two thirds of the H100's bound. Measured (H100, real file, same build and lease,
+ * QWENCUDA_GEMV_ROWS4=0 against on; bench/results/20261125-f8f80fd-*): the lm_head's share of a
+ * stamped step 64.5 -> 52.1 us (2.8 TB/s); decode 1928-1941 -> 1948-1952 tok/s at 512 keys,
+ * 1695-1706 -> 1712-1715 at 2560, with four warps a block; logits bit-identical. Eight warps a
+ * block, in a second lease: 1955-1959 tok/s at 512 keys against 1947-1957 for four and 1924-1943
+ * off. */
+#define QC_GEMV_ROWS4 4
+#define QC_ROWS4_WARPS 8                /* warps a block: 32 rows */
+/* The 32-element types only (registers: at most 64 a thread, four blocks an SM); Q6_K's four rows
+ * spilled even under 128 registers. */
+template <int T>
+__global__ void __launch_bounds__(32 * QC_ROWS4_WARPS, 32 / QC_ROWS4_WARPS)
+qc_gemv_q8_rows4_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols, const qc_q8x xq,
+                        const float *__restrict__ bias, const float *residual, float *out, const qc_l2_ahead ahead) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t block_r0 = (int64_t)blockIdx.x * QC_ROWS4_WARPS * QC_GEMV_ROWS4;
+    const int64_t r0 = block_r0 + (int64_t)warp * QC_GEMV_ROWS4;
+    const int nr = rows - r0 < QC_GEMV_ROWS4 ? (int)(rows - r0) : QC_GEMV_ROWS4;   /* < 1: no row */
+    qc_gemv_prefetch(W, row_bytes, block_r0, QC_ROWS4_WARPS * QC_GEMV_ROWS4, rows);
+    /* lane k < nr writes row r0 + k: its bias before the wait, its residual after it */
+    const float b_r = bias && lane < nr ? bias[r0 + lane] : 0.0f;
+    qc_l2_ahead_issue(ahead);
+    qc_grid_start();
+    if (nr < 1) return;   /* whole warps leave together */
+    const float res = residual && lane < nr ? residual[r0 + lane] : 0.0f;
+    float acc[QC_GEMV_ROWS4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (nr == QC_GEMV_ROWS4) {
+        const uint8_t *const four[4] = {W + r0 * row_bytes, W + (r0 + 1) * row_bytes, W + (r0 + 2) * row_bytes,
+                                        W + (r0 + 3) * row_bytes};
+        qc_gemv_q8_row4<T>(four, cols, xq, lane, acc);
+    } else {
+        for (int k = 0; k < nr; k++) {
+            float a[1];
+            qc_gemv_q8_row_slice<T, 1>(W + (r0 + k) * row_bytes, cols, xq, 1, 0, lane, 32, a);
+            acc[k] = a[0];
+        }
+    }
+    if (lane >= nr) return;
+    const float a = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
+    const float v = bias ? a + b_r : a;
+    out[r0 + lane] = residual ? res + v : v;
+}
+
 /* x[n][cols] to 8 bits: one warp per block of 32 (qc_q8_quantize_block). */
 __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t blocks, int8_t *qs, float2 *ds) {
     qc_grid_start();
@@ -220,10 +269,19 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
     /* one token, one wave of blocks: each block's rows into its shared memory before the wait */
     const size_t shared = qc_shared_copy_bytes(rows_per_block * rb);
     if constexpr (Q8) {
-        if (n == 1 && cu->w_shared && grid.x <= (unsigned)(QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count) &&
-            shared <= QC_SHARED_COPY_MAX) {
+        const bool one_wave = grid.x <= (unsigned)(QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count);
+        if (n == 1 && cu->w_shared && one_wave && shared <= QC_SHARED_COPY_MAX) {
             qc_launch(cu, qc_gemv_kernel<T, 1, S, true, true>, grid, block, shared, QC_ARGS_);
             return;
+        }
+        /* one token, many waves of rows of a warp each (the lm_head): four rows a warp */
+        if constexpr (S == 1 && qc_q8_unit<T>::UNIT == 32) {
+            if (n == 1 && cu->gemv_rows4 && !one_wave && !launch_next) {
+                const int64_t per_block = QC_ROWS4_WARPS * QC_GEMV_ROWS4;
+                qc_launch(cu, qc_gemv_q8_rows4_kernel<T>, dim3((unsigned)((w->rows + per_block - 1) / per_block)),
+                          dim3(32 * QC_ROWS4_WARPS), 0, W, rb, w->rows, w->cols, xq, bias, residual, out, ahead);
+                return;
+            }
         }
     }
     switch (qc_gemv_tokens_per_block(n)) {

@@ -105,6 +105,9 @@ typedef struct qc_cuda {
     /* a decode step's qkv_attention in one launch (qkv_attention.cu): QWENCUDA_QKV_ATTENTION is
      * not "0" at creation (to compare) */
     int qkv_attention;
+    /* one-token GEMVs of more than a wave of blocks (the lm_head) with four rows a warp (matmul.cu,
+     * qc_gemv_q8_rows4_kernel): QWENCUDA_GEMV_ROWS4 is not "0" at creation (to compare) */
+    int gemv_rows4;
     /* RoPE's (cos, sin) of pairs 0 .. head_dim / 2 - 1 at the position in rope_of_pos (device
      * memory), theta rope_of_theta, as that launch left them in rope_cs (QC_ROPE_CS_MAX, made at
      * creation) for the next layers' launches of the step; rope_of_pos NULL when there are none.

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import qwencuda
+from qwencuda import kernels as K
 from qwencuda import testing
 
 from engine_util import norm_err
@@ -288,6 +289,39 @@ def test_read_ahead_changes_no_bit(synth_dir, config, weight_type, monkeypatch):
     monkeypatch.delenv("QWENCUDA_READ_AHEAD")
     for a, b in zip(run(), plain):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_gemv_rows4_changes_no_bit(type_name, monkeypatch):
+    """A one-token matmul of more rows than one wave of GEMV blocks (the lm_head) takes four rows a
+    warp (kernels/matmul.cu, qc_gemv_q8_rows4_kernel: qc_gemv_q8_row4, each row with
+    qc_gemv_q8_row_slice's operations) for the 32-element types. Its rows must equal, bit for bit,
+    the first token's of a two-token matmul (qc_gemv_kernel, two tokens a block: the same operations
+    per token) and a backend made with QWENCUDA_GEMV_ROWS4=0; matmul_add's too. 9001 rows (a last
+    warp with one row, a last block of three warps), 896 (1024 for Q4_K and Q6_K, rows of whole
+    blocks of 256) and 256 columns, with a bias. Q4_K and Q6_K keep qc_gemv_kernel: the same checks
+    hold."""
+    rng = np.random.default_rng(41)
+    cases = []
+    for rows, cols in [(9001, 896 if type_name in ("Q8_0", "Q5_0", "Q4_0") else 1024), (9001, 256)]:
+        w = K.Weight.from_float(rng.standard_normal((rows, cols)).astype(np.float32), type_name)
+        x, bias, res = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, cols), rows, rows))
+        cases.append((w, x, bias, res))
+
+    def run():
+        K.release("cuda")   # the kernels' backend is made again, reading the switch
+        return [(K.matmul(w, x[0], bias=b, device="cuda"), K.matmul_add(w, x[0], r, device="cuda"))
+                for w, x, b, r in cases]
+
+    monkeypatch.setenv("QWENCUDA_GEMV_ROWS4", "0")
+    plain = run()
+    monkeypatch.delenv("QWENCUDA_GEMV_ROWS4")
+    got = run()
+    for (mm, ma), (pm, pa), (w, x, b, r) in zip(got, plain, cases):
+        np.testing.assert_array_equal(mm, pm, err_msg=f"matmul {w}")
+        np.testing.assert_array_equal(ma, pa, err_msg=f"matmul_add {w}")
+        np.testing.assert_array_equal(mm, K.matmul(w, x, bias=b, device="cuda")[0], err_msg=f"two tokens {w}")
+    K.release("cuda")
 
 
 @pytest.mark.parametrize("config", ["tiny-hd64", "tiny-hd128"])
