@@ -149,12 +149,12 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * and residual as qc_gemv_kernel adds them; eight warps a block. The same bits as qc_gemv_kernel,
  * in an eighth of its blocks, with four rows' loads in flight a lane. Why: qc_gemv_kernel gives
  * the 0.5B's lm_head 37984 blocks of four rows, about 290 an SM one after another, and streamed
- * its 145 MB at 2.2 TB/s, two thirds of the H100's bound. Measured (H100, real file, same build and lease,
- * QWENCUDA_GEMV_ROWS4=0 against on; bench/results/20261125-f8f80fd-*): the lm_head's share of a
- * stamped step 64.5 -> 52.1 us (2.8 TB/s); decode 1928-1941 -> 1948-1952 tok/s at 512 keys,
- * 1695-1706 -> 1712-1715 at 2560, with four warps a block; logits bit-identical. Eight warps a
- * block, in a second lease: 1955-1959 tok/s at 512 keys against 1947-1957 for four and 1924-1943
- * off. */
+ * its 145 MB at 2.2 TB/s, two thirds of the H100's bound. Measured (H100, real file, same build
+ * and lease, QWENCUDA_GEMV_ROWS4=0 against on; bench/results/20261125-1c2416e-*, addendum): the
+ * lm_head's share of a stamped step 64.5 -> 52.1 us (2.8 TB/s); decode 1928-1941 -> 1948-1952
+ * tok/s at 512 keys, 1695-1706 -> 1712-1715 at 2560, with four warps a block; logits
+ * bit-identical. Eight warps a block, in a second lease: 1955-1959 tok/s at 512 keys against
+ * 1947-1957 for four and 1924-1943 off. */
 #define QC_GEMV_ROWS4 4
 #define QC_ROWS4_WARPS 8                /* warps a block: 32 rows */
 /* The 32-element types only (registers: at most 64 a thread, four blocks an SM); Q6_K's four rows
