@@ -169,19 +169,13 @@ __device__ __forceinline__ void qc_dec_rows(const qc_dec_w &w, int64_t rows, int
         const int64_t nwarps = (int64_t)gridDim.x * QC_GEMV_WARPS;
         for (int64_t r = (int64_t)blockIdx.x * QC_GEMV_WARPS + warp; r < rows; r += 4 * nwarps) {
             float acc[4];
-            if (r + 3 * nwarps < rows) {
-                const uint8_t *const four[4] = {w.W + r * w.row_bytes, w.W + (r + nwarps) * w.row_bytes,
-                                                w.W + (r + 2 * nwarps) * w.row_bytes, w.W + (r + 3 * nwarps) * w.row_bytes};
-                qc_gemv_q8_row4_any(w.type, four, cols, x, lane, acc);
-            } else {
-                for (int k = 0; k < 4 && r + k * nwarps < rows; k++) {
-                    float a[1];
-                    qc_gemv_q8_row_any<1>(w.type, w.W + (r + k * nwarps) * w.row_bytes, cols, x, 1, 0, lane, a);
-                    acc[k] = a[0];
-                }
-            }
+            int nr = 1;   /* of the four rows, those below rows */
+            while (nr < 4 && r + nr * nwarps < rows) nr++;
+            const uint8_t *const four[4] = {w.W + r * w.row_bytes, w.W + (r + nwarps) * w.row_bytes,
+                                            w.W + (r + 2 * nwarps) * w.row_bytes, w.W + (r + 3 * nwarps) * w.row_bytes};
+            qc_gemv_q8_rows_upto4_any(w.type, four, nr, cols, x, lane, acc);
             if (lane == 0) {
-                for (int k = 0; k < 4 && r + k * nwarps < rows; k++) {
+                for (int k = 0; k < nr; k++) {
                     float *o = out + r + k * nwarps;
                     *o = add ? *o + acc[k] : acc[k];
                 }

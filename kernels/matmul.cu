@@ -144,9 +144,8 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
 }
 
 /* One token against more rows than one wave of qc_gemv_kernel's blocks holds (the lm_head: 151936
- * rows), QC_GEMV_ROWS4 rows a warp: qc_gemv_q8_row4 (each row qc_gemv_q8_row_slice's operations)
- * where the warp has all four, qc_gemv_q8_row_slice for the rows of a last, partial four; bias
- * and residual as qc_gemv_kernel adds them; eight warps a block. The same bits as qc_gemv_kernel,
+ * rows), QC_GEMV_ROWS4 rows a warp (qc_gemv_q8_rows_upto4: each row qc_gemv_q8_row_slice's
+ * operations); bias and residual as qc_gemv_kernel adds them; eight warps a block. The same bits as qc_gemv_kernel,
  * in an eighth of its blocks, with four rows' loads in flight a lane. Why: qc_gemv_kernel gives
  * the 0.5B's lm_head 37984 blocks of four rows, about 290 an SM one after another, and streamed
  * its 145 MB at 2.2 TB/s, two thirds of the H100's bound. Measured (H100, real file, same build
@@ -174,18 +173,10 @@ qc_gemv_q8_rows4_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_
     qc_grid_start();
     if (nr < 1) return;   /* whole warps leave together */
     const float res = residual && lane < nr ? residual[r0 + lane] : 0.0f;
+    const uint8_t *const four[4] = {W + r0 * row_bytes, W + (r0 + 1) * row_bytes, W + (r0 + 2) * row_bytes,
+                                    W + (r0 + 3) * row_bytes};   /* (those past nr not read) */
     float acc[QC_GEMV_ROWS4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (nr == QC_GEMV_ROWS4) {
-        const uint8_t *const four[4] = {W + r0 * row_bytes, W + (r0 + 1) * row_bytes, W + (r0 + 2) * row_bytes,
-                                        W + (r0 + 3) * row_bytes};
-        qc_gemv_q8_row4<T>(four, cols, xq, lane, acc);
-    } else {
-        for (int k = 0; k < nr; k++) {
-            float a[1];
-            qc_gemv_q8_row_slice<T, 1>(W + (r0 + k) * row_bytes, cols, xq, 1, 0, lane, 32, a);
-            acc[k] = a[0];
-        }
-    }
+    qc_gemv_q8_rows_upto4<T>(four, nr, cols, xq, lane, acc);
     if (lane >= nr) return;
     const float a = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
     const float v = bias ? a + b_r : a;

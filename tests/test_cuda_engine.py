@@ -300,7 +300,9 @@ def test_gemv_rows4_changes_no_bit(type_name, monkeypatch):
     per token) and a backend made with QWENCUDA_GEMV_ROWS4=0; matmul_add's too. 9001 rows (a last
     warp with one row, a last block of three warps), 896 (1024 for Q4_K and Q6_K, rows of whole
     blocks of 256) and 256 columns, with a bias. Q4_K and Q6_K keep qc_gemv_kernel: the same checks
-    hold."""
+    hold. Equal bits alone would pass if the kernel were never taken, so where torch is present its
+    profiler (CUPTI) must also see qc_gemv_q8_rows4_kernel run, for the 32-element types only, and
+    not with the switch off."""
     rng = np.random.default_rng(41)
     cases = []
     for rows, cols in [(9001, 896 if type_name in ("Q8_0", "Q5_0", "Q4_0") else 1024), (9001, 256)]:
@@ -313,10 +315,23 @@ def test_gemv_rows4_changes_no_bit(type_name, monkeypatch):
         return [(K.matmul(w, x[0], bias=b, device="cuda"), K.matmul_add(w, x[0], r, device="cuda"))
                 for w, x, b, r in cases]
 
+    def rows4_ran():
+        """Whether a one-token matmul of the first case ran qc_gemv_q8_rows4_kernel (None: no torch)."""
+        try:
+            from torch.profiler import ProfilerActivity, profile
+        except ImportError:
+            return None
+        w, x, _, _ = cases[0]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            K.matmul(w, x[0], device="cuda")
+        return any("qc_gemv_q8_rows4_kernel" in e.name for e in prof.events())
+
     monkeypatch.setenv("QWENCUDA_GEMV_ROWS4", "0")
     plain = run()
+    assert rows4_ran() in (None, False)
     monkeypatch.delenv("QWENCUDA_GEMV_ROWS4")
     got = run()
+    assert rows4_ran() in (None, type_name in ("Q8_0", "Q5_0", "Q4_0"))
     for (mm, ma), (pm, pa), (w, x, b, r) in zip(got, plain, cases):
         np.testing.assert_array_equal(mm, pm, err_msg=f"matmul {w}")
         np.testing.assert_array_equal(ma, pa, err_msg=f"matmul_add {w}")
