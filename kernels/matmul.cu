@@ -397,6 +397,7 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
     /* read_ahead's hint is this call's to take (the GEMV's blocks issue it), and only this call's */
     const qc_l2_ahead ahead = cu->ahead;
     cu->ahead = qc_l2_ahead{};
+    cu->ahead_issued = n >= 1 && n <= QC_GEMV_MAX_TOKENS && w->rows > 0 ? ahead : qc_l2_ahead{};
     if (n <= 0 || w->rows <= 0) return 0;
     if (!qc_cuda_type_supported(w->type))
         return qc_cuda_value_error(be, "matmul: weight type %u is not supported by the CUDA backend", w->type);

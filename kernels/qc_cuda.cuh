@@ -121,6 +121,9 @@ typedef struct qc_cuda {
     int read_ahead;
     qc_l2_ahead ahead;
     int l2_bytes;
+    /* the hint the last matmul's blocks issued (none where it had none or took cuBLAS), until
+     * qkv_attention reads it: the rows it names are in L2 or on their way */
+    qc_l2_ahead ahead_issued;
     /* download_start's copies (backend.h): QC_DOWNLOAD_TICKETS slots of pinned host memory,
      * QC_DOWNLOAD_AHEAD_BYTES each, and the event after each slot's copy; made at the first
      * download_start. The next copy takes slot next_ticket % QC_DOWNLOAD_TICKETS. */

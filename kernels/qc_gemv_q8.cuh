@@ -58,7 +58,8 @@ __device__ __forceinline__ void qc_q8_quantize_block(float v, int lane, int8_t *
 /* The same block by 8 lanes (lanes 8g .. 8g + 7 of a warp, `sub` = lane % 8), each holding 4
  * values v = x[32 b + 4 sub ..]: a warp quantizes four blocks at once, with the same bits (the
  * max and the integer sum do not depend on the order). */
-__device__ __forceinline__ void qc_q8_quantize_block4(const float (&v)[4], int sub, int8_t *qs, float2 *ds) {
+__device__ __forceinline__ void qc_q8_quantize_block4(const float (&v)[4], int sub, int8_t *qs, float2 *ds,
+                                                      bool keep = true) {
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off, 8));
@@ -72,6 +73,7 @@ __device__ __forceinline__ void qc_q8_quantize_block4(const float (&v)[4], int s
     }
 #pragma unroll
     for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, 8);
+    if (!keep) return;
     *(char4 *)(qs + 4 * sub) = make_char4((signed char)q[0], (signed char)q[1], (signed char)q[2], (signed char)q[3]);
     if (sub == 0) *ds = make_float2(d, __fmul_rn(d, (float)sum));
 }

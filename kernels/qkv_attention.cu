@@ -13,8 +13,9 @@
  * clusters"): a cluster of QC_ATT_CLUSTER blocks per query head h, QC_ATT_CLUSTER_SPLITS splits
  * a block.
  *   1. Before the wait: the held keys (below the position: earlier evals wrote them), this
- *      warp's weight rows asked of L2, its biases, and in the step's first launch its RoPE
- *      angles.
+ *      warp's weight rows asked of L2 (unless the matmul before, the down projection, asked for
+ *      all of q, k and v: read_ahead, session.c), its biases, and in the step's first launch its
+ *      RoPE angles.
  *   2. Every block normalises x and quantizes it to 8 bits in its shared memory
  *      (qc_norm_quantize_q8_kernel's bits: rmsnorm's 256 sums, reduced in the same order).
  *   3. The cluster's warps compute the 3 * head_dim rows head h needs, a pair of rows (i and
@@ -47,6 +48,15 @@
  * (the dot products 1.1 -> 0.8 us, but the copies held the blocks 1.1 us longer before their
  * wait: -4%), 64 registers a thread for two blocks an SM (spills: -16%); three held keys
  * instead of two were even.
+ * Later (H100, bench/results/20261125-REPORT-*, addendum; a stand-in for the real file with its
+ * layout and types and random blocks): the blocks placed last, once the down projection's
+ * blocks leave their SMs, spent 1.6 us from their entry to their wait, so the release of a
+ * launch spread over 1.0-1.3 us and every cluster barrier waited for the last; with the next
+ * layer's q, k and v read ahead by the down projection and no row prefetches of their own,
+ * 1.3 us, and decode 1927-1938 -> 1955-1965 tok/s at 512 keys, 1688-1699 -> 1702-1719 at 2560.
+ * Measured and not kept: the rows copied into shared memory by cp.async before the wait (no
+ * load waited for; even), the kernel parameters asked for by four warps at once, a line each
+ * (no change in the time to the wait).
  *
  * Elsewhere (several tokens, other weight types, flash decode's long contexts, no clusters,
  * QWENCUDA_QKV_ATTENTION=0 at creation) the op is matmul_qkv_rope, then attention.
@@ -57,7 +67,6 @@
 #define QC_QA_THREADS (QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS)   /* a cluster attention block */
 #define QC_QA_WARPS (QC_QA_THREADS / 32)
 #define QC_QA_CLUSTER_WARPS (QC_ATT_CLUSTER * QC_QA_WARPS)
-#define QC_QA_NORM_PER (QC_NORM_FUSE_MAX_COLS / 32 / QC_QA_WARPS)   /* blocks of 32 of x a warp quantizes */
 static_assert(QC_QA_THREADS >= QC_NORM_ROW_THREADS, "rmsnorm's sums: a thread each");
 
 /* q, k or v: its stored rows, bias (or NULL) and output (one token). */
@@ -77,6 +86,7 @@ struct qc_qa_params {
     double theta;
     double2 *rope_cs;                 /* RoPE's (cos, sin) of each pair at pos (qc_cuda's rope_cs) */
     int rope_read;                    /* 1: read them there; 0: compute them (cluster 0 writes them) */
+    int rows_prefetch;                /* 0: the matmul before asked L2 for q, k and v (read_ahead) */
     const int32_t *pos;
     void *k_cache, *v_cache;
     float *out;                       /* (n_head * head_dim) */
@@ -85,10 +95,10 @@ struct qc_qa_params {
 };
 
 /* Shared memory: q of the head (head_dim floats), the new k and v (head_dim KV each, room for
- * floats), then one region for x (steps 2 and 3: dim floats, its 8-bit qs and ds) that the
+ * floats), then one region for x (steps 2 and 3: its 8-bit qs and ds) that the
  * attention (step 4) reuses for its groups' publish areas and the cluster's partials. */
 static size_t qa_smem_bytes(int G, int head_dim, int64_t dim) {
-    const size_t x_bytes = (size_t)dim * sizeof(float) + qc_q8x_qs_bytes(1, dim) + (size_t)(dim / 32) * sizeof(float2);
+    const size_t x_bytes = qc_q8x_qs_bytes(1, dim) + (size_t)(dim / 32) * sizeof(float2);
     const size_t att_bytes = qc_att_cluster_floats(G, head_dim) * sizeof(float);
     return 3 * (size_t)head_dim * sizeof(float) + (x_bytes > att_bytes ? x_bytes : att_bytes);
 }
@@ -100,42 +110,59 @@ __device__ __forceinline__ void qc_qa_prefetch_row(const uint8_t *row, int64_t b
         qc_prefetch_line_l2(c);
 }
 
-/* x normalised and quantized into this block's shared memory (xf: x; qs, ds: the 8-bit form):
- * with norm_w, qc_norm_quantize_q8_kernel's values (rmsnorm's QC_NORM_ROW_THREADS strided
- * fmaf sums, each reduced by the same shuffles, the eight added in order); without,
- * qc_quantize_q8_kernel's. w: this warp's norm weights (blocks warp, warp + QC_QA_WARPS, ...),
- * loaded before the wait. Ends with the block synchronised. */
-__device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float *norm_w, const float (&w)[QC_QA_NORM_PER],
-                                                    int dim, float eps, float *xf, int8_t *qs, float2 *ds,
-                                                    float *norm_tmp) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int i = 4 * threadIdx.x; i < dim; i += 4 * QC_QA_THREADS) *(float4 *)(xf + i) = __ldcg((const float4 *)(x + i));
-    __syncthreads();
+/* x normalised and quantized into this block's shared memory (qs, ds: the 8-bit form): with
+ * norm_w, qc_norm_quantize_q8_kernel's values (rmsnorm's QC_NORM_ROW_THREADS strided fmaf sums,
+ * each reduced by the same shuffles, the eight added in order: the same scale; x times scale
+ * times the weight quantized as qc_q8_quantize_block does, eight lanes a block of 32 by
+ * qc_q8_quantize_block4); without, qc_quantize_q8_kernel's. w: this lane's four norm weights of
+ * the first pass (4 * QC_QA_WARPS blocks of 32), loaded before the wait; a later pass (dim >
+ * 2048) loads its own. Ends with the block synchronised.
+ * x is not staged in shared memory: every thread loads from L2 the values it sums and the four
+ * it quantizes, all at once, and adds the eight warps' sums itself, so two block barriers order
+ * it where a copy of x, its sums, one thread's total and the quantization took four. Measured
+ * (H100, same lease, the stand-in above): x quantized 1.66 -> 1.44 us after the release, decode
+ * 1896-1917 -> 1932-1940 tok/s at 512 keys, 1680-1688 -> 1699-1704 at 2560. */
+#define QC_QA_NORM_PASSES (QC_NORM_FUSE_MAX_COLS / 32 / (4 * QC_QA_WARPS))
+__device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float *norm_w, const float (&w)[4],
+                                                    int dim, float eps, int8_t *qs, float2 *ds, float *norm_tmp) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane & 7, nb = dim / 32;
+    /* the first pass's values, loaded beside the sums' */
+    const int b_first = 4 * warp + (lane >> 3);
+    float4 v = b_first < nb ? __ldcg((const float4 *)(x + 32 * b_first + 4 * sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
     float scale = 1.0f;
     if (norm_w) {
         if (threadIdx.x < QC_NORM_ROW_THREADS) {
             float ss = 0.0f;
-            for (int i = threadIdx.x; i < dim; i += QC_NORM_ROW_THREADS) ss = fmaf(xf[i], xf[i], ss);
+#pragma unroll 4
+            for (int i = threadIdx.x; i < dim; i += QC_NORM_ROW_THREADS) {
+                const float xi = __ldcg(x + i);
+                ss = fmaf(xi, xi, ss);
+            }
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
             if (lane == 0) norm_tmp[warp] = ss;
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            float total = 0.0f;
-            for (int i = 0; i < QC_NORM_ROW_THREADS / 32; i++) total += norm_tmp[i];
-            norm_tmp[QC_NORM_ROW_THREADS / 32] = 1.0f / sqrtf(total / (float)dim + eps);
-        }
-        __syncthreads();
-        scale = norm_tmp[QC_NORM_ROW_THREADS / 32];
+        float total = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QC_NORM_ROW_THREADS / 32; i++) total += norm_tmp[i];
+        scale = 1.0f / sqrtf(total / (float)dim + eps);
     }
 #pragma unroll
-    for (int k = 0; k < QC_QA_NORM_PER; k++) {
-        const int b = warp + k * QC_QA_WARPS;
-        if (b < dim / 32) {
-            const float xi = xf[32 * b + lane];
-            qc_q8_quantize_block(norm_w ? xi * scale * w[k] : xi, lane, qs + 32 * b, ds + b);
+    for (int p = 0; p < QC_QA_NORM_PASSES; p++) {
+        const int b0 = 4 * warp + 4 * QC_QA_WARPS * p, b = b0 + (lane >> 3);
+        if (b0 >= nb) break;   /* whole warps */
+        float wp[4] = {w[0], w[1], w[2], w[3]};
+        if (p > 0) {
+            v = b < nb ? __ldcg((const float4 *)(x + 32 * b + 4 * sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int k = 0; k < 4; k++) wp[k] = norm_w && b < nb ? __ldg(norm_w + 32 * b + 4 * sub + k) : 0.0f;
         }
+        const float a[4] = {v.x, v.y, v.z, v.w};
+        float q[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) q[k] = norm_w ? a[k] * scale * wp[k] : a[k];
+        qc_q8_quantize_block4(q, sub, qs + 32 * b, ds + b, b < nb);   /* (lanes past nb: no store) */
     }
     __syncthreads();
 }
@@ -153,8 +180,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     float *qn = (float *)qc_qa_smem;
     KV *kn = (KV *)(qn + HD), *vn = (KV *)(qn + 2 * HD);
     float *region = qn + 3 * HD;
-    float *xf = region;
-    int8_t *xs_qs = (int8_t *)(xf + P.dim);
+    int8_t *xs_qs = (int8_t *)region;
     float2 *xs_ds = qc_q8x_ds_at(xs_qs, 1, P.dim);
     float *pub = region, *parts = region + QC_ATT_CLUSTER_SPLITS * pub_floats;
 
@@ -180,6 +206,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     /* this warp's pairs: item it is pair it % half of q (it < half), k or v (it / half) */
     double2 cs[ITEMS];
     float bias_a[ITEMS], bias_b[ITEMS];
+    const uint8_t *row_a[ITEMS], *row_b[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
@@ -188,18 +215,22 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
         if (it >= 3 * half) continue;
         const qc_qa_w &w = P.w[which];
         const int64_t r = (int64_t)(which == 0 ? h : kvh) * HD + i;
-        qc_qa_prefetch_row(w.W + r * w.row_bytes, w.row_bytes, lane);
-        qc_qa_prefetch_row(w.W + (r + half) * w.row_bytes, w.row_bytes, lane);
+        row_a[k] = w.W + r * w.row_bytes;
+        row_b[k] = w.W + (r + half) * w.row_bytes;
+        if (P.rows_prefetch) {
+            qc_qa_prefetch_row(row_a[k], w.row_bytes, lane);
+            qc_qa_prefetch_row(row_b[k], w.row_bytes, lane);
+        }
         if (lane == 0) {
             if (w.bias) bias_a[k] = w.bias[r], bias_b[k] = w.bias[r + half];
             if (which < 2 && !P.rope_read) cs[k] = qc_rope_angle(i, HD, pos, P.theta);
         }
     }
-    float norm_w[QC_QA_NORM_PER];
+    float norm_w[4];   /* the first pass's (qc_qa_norm_quantize) */
 #pragma unroll
-    for (int k = 0; k < QC_QA_NORM_PER; k++) {
-        const int b = warp + k * QC_QA_WARPS;
-        norm_w[k] = P.norm_w && b < P.dim / 32 ? __ldg(P.norm_w + 32 * b + lane) : 0.0f;
+    for (int k = 0; k < 4; k++) {
+        const int b = 4 * warp + (lane >> 3);
+        norm_w[k] = P.norm_w && b < P.dim / 32 ? __ldg(P.norm_w + 32 * b + 4 * (lane & 7) + k) : 0.0f;
     }
     qc_grid_start();
     /* the angles: from the step's first launch (read here, used after the dot products), or
@@ -213,7 +244,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     }
 
     /* 2. x normalised and quantized, in every block */
-    qc_qa_norm_quantize(P.x, P.norm_w, norm_w, P.dim, P.eps, xf, xs_qs, xs_ds, norm_tmp);
+    qc_qa_norm_quantize(P.x, P.norm_w, norm_w, P.dim, P.eps, xs_qs, xs_ds, norm_tmp);
     const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};
 
     /* 3. the rows: both of a pair in one loop (qc_gemv_q8_row2: each row qc_gemv_q8_row_slice's
@@ -221,14 +252,12 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     float ya[ITEMS], yb[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
-        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half;
         ya[k] = yb[k] = 0.0f;
         if (it >= 3 * half) continue;
         const qc_qa_w &w = P.w[which];
-        const int64_t r = (int64_t)(which == 0 ? h : kvh) * HD + i;
         float a[1], b[1];
-        qc_gemv_q8_row2_any<1>(w.type, w.W + r * w.row_bytes, w.W + (r + half) * w.row_bytes, P.dim, xs, 1, 0, lane, a,
-                               b);
+        qc_gemv_q8_row2_any<1>(w.type, row_a[k], row_b[k], P.dim, xs, 1, 0, lane, a, b);
         ya[k] = w.bias ? a[0] + bias_a[k] : a[0];
         yb[k] = w.bias ? b[0] + bias_b[k] : b[0];
     }
@@ -336,6 +365,14 @@ int qc_cuda_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float
     p.rope_cs = cu->rope_cs;
     p.rope_read = cu->rope_of_pos == pos && cu->rope_of_theta == theta && cu->rope_of_head_dim == head_dim;
     p.pos = pos;
+    /* the matmul before (the down projection) asked L2 for all three (session.c names them)? */
+    int named = 0;
+    for (int i = 0; i < 3; i++)
+        for (int k = 0; k < QC_READ_AHEAD_MAX; k++)
+            named += cu->ahead_issued.p[k] == (const uint8_t *)qkv[i].w->data &&
+                     cu->ahead_issued.bytes[k] == (int64_t)qkv[i].w->nbytes;
+    cu->ahead_issued = qc_l2_ahead{};
+    p.rows_prefetch = named != 3;
     p.k_cache = cache.k;
     p.v_cache = cache.v;
     p.out = out;

@@ -269,10 +269,12 @@ def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
 
 @pytest.mark.parametrize("config,weight_type", [("tiny-gqa7", "q4_k_m"), ("tiny-hd64", "q8_0"), ("tiny-hd128", "q5_0")])
 def test_read_ahead_changes_no_bit(synth_dir, config, weight_type, monkeypatch):
-    """The forward pass hints gate and up to the o projection (backend.h, read_ahead), whose
-    blocks ask L2 for them while they wait (kernels/matmul.cu, qc_l2_ahead_issue). A hint moves
-    bytes into the cache and changes no value, so prefill, a 3-token eval and decode steps must
-    give the logits of a backend made with QWENCUDA_READ_AHEAD=0 bit for bit. A hint that reached
+    """The forward pass hints gate and up to the o projection and the next layer's q, k and v to
+    the down projection (backend.h, read_ahead), whose blocks ask L2 for them while they wait
+    (kernels/matmul.cu, qc_l2_ahead_issue); qkv_attention then leaves out its own row prefetches
+    (kernels/qkv_attention.cu). A hint moves bytes into the cache and changes no value, so
+    prefill, a 3-token eval and decode steps must give the logits of a backend made with
+    QWENCUDA_READ_AHEAD=0 bit for bit. A hint that reached
     the wrong kernel parameter (a pointer or a size in the place of another) would show here;
     that the lines were fetched early shows only in the timing (bench/results, the report of the
     commit)."""

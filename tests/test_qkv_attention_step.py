@@ -56,6 +56,48 @@ def test_step_equals_the_two_ops(tmp_path, monkeypatch, config, weight_type, kv_
         np.testing.assert_array_equal(with_launch, two_ops)
 
 
+def _launch_ran(path, monkeypatch, ids, n_prompt):
+    """Whether a decode step of the model with the one launch on ran qc_qkv_attention_kernel, as
+    the CUDA profiler (torch.profiler, CUPTI) sees it; None without torch. Eager steps
+    (QWENCUDA_NO_GRAPHS=1), so that each kernel shows as itself."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    with _model(path, monkeypatch, True) as m:
+        with monkeypatch.context() as mp:
+            mp.setenv("QWENCUDA_NO_GRAPHS", "1")
+            s = m.session(max_context=96)
+        with s:
+            s.prefill(ids[:n_prompt])
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                s.step(int(ids[n_prompt]))
+    return any("qc_qkv_attention_kernel" in e.name for e in prof.events())
+
+
+# x's norm in the one launch quantizes four blocks of 32 a warp, 4 * 16 a pass (qkv_attention.cu,
+# qc_qa_norm_quantize): dim 832 (26 blocks: a warp with two blocks past the end) and dim 2176
+# (68 blocks: a second pass, which loads its values and weights after the wait)
+NORM_SHAPES = {
+    "hd64-dim832": dict(n_vocab=400, dim=832, n_layer=2, n_head=13, n_head_kv=1, ffn_dim=256),
+    "hd128-dim2176": dict(n_vocab=400, dim=2176, n_layer=2, n_head=17, n_head_kv=1, ffn_dim=256),
+}
+
+
+@pytest.mark.parametrize("weight_type", ["q8_0", "q5_0"])
+@pytest.mark.parametrize("shape", list(NORM_SHAPES))
+def test_step_equals_the_two_ops_norm_shapes(tmp_path, monkeypatch, shape, weight_type):
+    """The norm's partial warp and second pass: the logits equal the two ops' bit for bit, and the
+    one launch ran (the profiler, where torch is present: else the comparison could not fail)."""
+    path = str(tmp_path / "m.gguf")
+    testing.write_model(path, config=NORM_SHAPES[shape], weight_type=weight_type)
+    ids = np.random.default_rng(12).integers(0, 400, size=24)
+    for graphs in (True, False):
+        with_launch, two_ops = _logits(path, monkeypatch, ids, 6, "f16", graphs)
+        np.testing.assert_array_equal(with_launch, two_ops)
+    assert _launch_ran(path, monkeypatch, ids, 6) in (True, None)
+
+
 def test_qwen05b_greedy_and_sampled_tokens(tmp_path, monkeypatch):
     """The real 0.5B shapes (24 layers, 14/2 heads): greedy tokens and the device sampler's draws,
     each next step queued before the host has seen the token."""

@@ -72,8 +72,8 @@ static inline size_t qc_kv_type_size(int type) { return type == QC_KV_F16 ? 2 : 
 
 /* Most projections one matmul_multi call computes (q, k and v). */
 #define QC_MATMUL_MULTI_MAX 3
-/* Most weights one read_ahead hint names (gate and up). */
-#define QC_READ_AHEAD_MAX 2
+/* Most weights one read_ahead hint names (gate and up; the next layer's q, k and v). */
+#define QC_READ_AHEAD_MAX 3
 
 /* Largest token count that the CUDA backend's matmul serves with the batched GEMV kernels,
  * reading the stored blocks directly; above it, it dequantizes and calls cuBLAS. */

@@ -1243,6 +1243,13 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
      * gate/up op unless a patch replaced it */
     if (fuse_down) {
         const int act_from_last_op = fuse_gate_up && !layer_patched(s, l, L_FFN_ACT);
+        /* while it waits for act, the projection's blocks ask the cache for the next layer's q,
+         * k and v (a hint): that layer's first kernel then need not ask for them itself, late */
+        if (op->read_ahead && l + 1 < (int)c->n_layer) {
+            const qc_layer *next = &m->layers[l + 1];
+            const qc_weight *const ahead[3] = {&next->wq, &next->wk, &next->wv};
+            OP(op->read_ahead(be, ahead, 3));
+        }
         OP(op->matmul_add(be, &L->w_down, sc->act, nc, sc->x, sc->x, act_from_last_op, NULL));
     } else {
         OP(op->matmul(be, &L->w_down, NULL, sc->act, nc, sc->y));
