@@ -48,7 +48,7 @@
  * (the dot products 1.1 -> 0.8 us, but the copies held the blocks 1.1 us longer before their
  * wait: -4%), 64 registers a thread for two blocks an SM (spills: -16%); three held keys
  * instead of two were even.
- * Later (H100, bench/results/20261125-REPORT-*, addendum; a stand-in for the real file with its
+ * Later (H100, bench/results/20261125-ab5536d-*, addendum; a stand-in for the real file with its
  * layout and types and random blocks): the blocks placed last, once the down projection's
  * blocks leave their SMs, spent 1.6 us from their entry to their wait, so the release of a
  * launch spread over 1.0-1.3 us and every cluster barrier waited for the last; with the next
