@@ -355,7 +355,9 @@ __device__ __forceinline__ void qc_prefetch_l2(const void *p, int64_t bytes) {
  * waits 0.7 us. The o projection's 224 blocks are placed during the attention, whose loads leave
  * HBM mostly idle: asked then, the rows are in L2 when the copies start. Real file, same-lease
  * A/B in two leases: 1657-1674 -> 1682-1688 tok/s at 512 keys and 1497-1509 -> 1508-1519 at
- * 2560; 1753-1755 -> 1775-1786 and 1551-1557 -> 1564-1573 (bench/results/20261124-d903914-*). */
+ * 2560; 1753-1755 -> 1775-1786 and 1551-1557 -> 1564-1573 (bench/results/20261124-d903914-*).
+ * The down projection names the next layer's q, k and v the same way (session.c), and the
+ * qkv_attention launch then leaves out its warps' own row prefetches (qkv_attention.cu). */
 __device__ __forceinline__ void qc_l2_ahead_issue(const qc_l2_ahead &a) {
 #pragma unroll
     for (int k = 0; k < QC_READ_AHEAD_MAX; k++) {
