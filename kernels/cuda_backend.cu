@@ -426,7 +426,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     static_assert(QC_GEMV_MAX_TOKENS >= 3, "q8x holds three one-token regions");
     cu->q8x_act = (char *)cu->q8x + qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
     cu->q8x_norm = (char *)cu->q8x + 2 * qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
-    QC_CREATE_CHECK(cudaMalloc((void **)&cu->norm_ss, QC_Q8X_MAX_COLS / 32 * sizeof(float)));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->norm_ss, QC_NORM_SS_MAX_COLS / 32 * sizeof(float)));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->rope_cs, QC_ROPE_CS_MAX * sizeof(double2)));
     /* one normalised row for the fused ops of a decode step (QC_NORM_IN_BLOCK_MAX_COLS): made
      * here, so a recorded step never grows it */

@@ -137,12 +137,15 @@ __device__ __forceinline__ void qc_dec_norm_quantize(const float *x, int dim, fl
     const float scale = qc_norm_row_scale<true>(xf, dim, eps, norm_tmp);
     for (int i = threadIdx.x; i < dim; i += QC_DEC_THREADS) xf[i] = xf[i] * scale * wf[i];
     __syncthreads();
-    /* eight lanes a block of 32: the block's 16 groups take 16 blocks at a time */
-    const int sub = threadIdx.x & 7;
-    for (int b = threadIdx.x >> 3; b < dim / 32; b += QC_DEC_THREADS / 8) {
-        const float4 v4 = *(const float4 *)(xf + 32 * b + 4 * sub);
+    /* eight lanes a block of 32: the block's 16 groups take 16 blocks at a time. Whole warps go
+     * round the loop (qc_q8_quantize_block4's shuffles take all 32 lanes); a group past the last
+     * block (dim / 32 not a multiple of 4) quantizes zeros and stores nothing */
+    const int sub = threadIdx.x & 7, nb = dim / 32;
+    for (int b0 = 4 * (threadIdx.x >> 5); b0 < nb; b0 += QC_DEC_THREADS / 8) {
+        const int b = b0 + ((threadIdx.x & 31) >> 3);
+        const float4 v4 = b < nb ? *(const float4 *)(xf + 32 * b + 4 * sub) : make_float4(0.f, 0.f, 0.f, 0.f);
         const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-        qc_q8_quantize_block4(v, sub, qs + 32 * b, ds + b);
+        qc_q8_quantize_block4(v, sub, qs + 32 * b, ds + b, b < nb);
     }
     __syncthreads();
 }

@@ -70,7 +70,7 @@ typedef struct qc_cuda {
     /* the normalised 8-bit form of one row that matmul_add's one-token 32-row kernel leaves for
      * the matmul_swiglu right after it (norm_next, backend.h; matmul.cu): norm_of * norm_of_w
      * quantized per block of 32 (laid out at q8x_norm, the third one-token region of q8x), each
-     * block's sum of norm_of^2 in norm_ss (QC_Q8X_MAX_COLS / 32 floats, made at creation);
+     * block's sum of norm_of^2 in norm_ss (QC_NORM_SS_MAX_COLS / 32 floats, made at creation);
      * norm_of NULL when there is none. Every matmul and matmul_add clears it or (norm_next) sets
      * it; an upload or copy over norm_of, and the matmul_swiglu after it, clear it. */
     const float *norm_of, *norm_of_w;

@@ -95,6 +95,18 @@ def test_persistent_tied_and_three_layers(synth, monkeypatch, weight_type):
     np.testing.assert_array_equal(got[False][0], got[True][0])
 
 
+@pytest.mark.parametrize("weight_type", ["q8_0", "q5_0"])
+def test_persistent_dim_not_a_multiple_of_128(synth, monkeypatch, weight_type):
+    """dim 832: 26 blocks of 32, so in the norm's quantize (qc_dec_norm_quantize, eight lanes a
+    block) the last warp holds two groups past the end, which must still take part in the
+    shuffles and store nothing."""
+    path = synth("tiny-hd64", weight_type, dim=832, n_head=13, n_head_kv=1, ffn_dim=256)
+    ids = np.random.default_rng(9).integers(0, 400, size=24)
+    got = _steps(path, monkeypatch, ids, 6, "f16")
+    assert got[False][1] == {"persistent"}, got[False][1]
+    np.testing.assert_array_equal(got[False][0], got[True][0])
+
+
 @pytest.mark.parametrize("weight_type", ["f16", "q4_1", "q5_k"])
 def test_other_types_keep_the_op_by_op_graph(synth, monkeypatch, weight_type):
     """Weights without an 8-bit GEMV: the op-by-op recording, even with QWENCUDA_DECODE=persistent."""
