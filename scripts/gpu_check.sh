@@ -25,6 +25,8 @@
 #                           Q4_K_M-shaped file), e.g. "4096 16384 32768"; empty: none
 #   GPU_CHECK_LONG_DEPTHS   depths of its decode, e.g. "4096 16384"
 #   LLAMA_BENCH            llama.cpp's llama-bench: the same work on the same file, in the report
+#   GPU_CHECK_LLAMA_WAIT   seconds to wait at the bench step for LLAMA_BENCH to exist (a build still
+#                          running beside the check; default 0)
 #   GPU_CHECK_TEST_TIMEOUT seconds for the test step (default 900; the H100 took 356 s for 5092
 #                          tests at f0bdc45, then did not finish 5110 in 600 s at 15a6859)
 #   GPU_CHECK_COMMIT       commit to name in the report where the tree has no .git
@@ -147,7 +149,13 @@ if has_step bench && [ "$build_status" != FAILED ]; then
             --prompt-tokens 1 --depth $GPU_CHECK_LONG_DEPTHS --gen-tokens "${GPU_CHECK_GEN:-128}" \
             --repeats "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1
     fi
-    # llama.cpp on the same file and the same work, in the same lease
+    # llama.cpp on the same file and the same work, in the same lease (a llama-bench still being
+    # built beside this check is waited for, GPU_CHECK_LLAMA_WAIT seconds; one that never came is
+    # named in the report, not left out silently)
+    if [ -n "${LLAMA_BENCH:-}" ]; then
+        for _ in $(seq "${GPU_CHECK_LLAMA_WAIT:-0}"); do [ -x "$LLAMA_BENCH" ] && break; sleep 1; done
+        [ -x "$LLAMA_BENCH" ] || echo "llama.cpp: not run (LLAMA_BENCH=$LLAMA_BENCH is not an executable file)" >>"$logdir/bench.log"
+    fi
     if [ -n "${LLAMA_BENCH:-}" ] && [ -x "$LLAMA_BENCH" ] && [ -e "$lf" ]; then
         comma() { echo "$*" | tr ' ' ','; }
         echo "llama.cpp (llama-bench -ngl 99 -fa 1, $(basename "$lf")):" >>"$logdir/bench.log"
