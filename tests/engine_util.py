@@ -1,6 +1,7 @@
 """Helpers shared by the engine tests (test_model, test_session, test_engine_vs_reference,
-test_real_model_engine): synthetic model files cached per test run, error measures, and a
-trace-vs-trace comparison that names the first tensor out of tolerance."""
+test_real_model_engine): synthetic model files cached per test run, error measures, a
+trace-vs-trace comparison that names the first tensor out of tolerance, and the CUDA kernels a
+call ran."""
 import atexit
 import os
 import shutil
@@ -126,3 +127,16 @@ DESIGN_LAYER_NAMES = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_scor
 def design_capture_names(n_layer):
     return (["embed"] + [f"blk.{L}.{n}" for L in range(n_layer) for n in DESIGN_LAYER_NAMES]
             + ["output_norm", "logits", "argmax"])
+
+
+def cuda_kernels_run(fn):
+    """The names of the CUDA kernels that fn() ran, as the CUDA profiler (torch.profiler, CUPTI)
+    sees them; None where torch is absent. A test comparing two paths bit for bit checks with it
+    that the path it means ran: equal bits alone also pass when it never does."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    return {e.name for e in prof.events()}

@@ -15,6 +15,8 @@ import pytest
 import qwencuda as qc
 from qwencuda import testing
 
+from engine_util import cuda_kernels_run
+
 pytestmark = pytest.mark.gpu
 
 Q8_TYPES = ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "q4_k_m"]
@@ -60,19 +62,14 @@ def _launch_ran(path, monkeypatch, ids, n_prompt):
     """Whether a decode step of the model with the one launch on ran qc_qkv_attention_kernel, as
     the CUDA profiler (torch.profiler, CUPTI) sees it; None without torch. Eager steps
     (QWENCUDA_NO_GRAPHS=1), so that each kernel shows as itself."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return None
     with _model(path, monkeypatch, True) as m:
         with monkeypatch.context() as mp:
             mp.setenv("QWENCUDA_NO_GRAPHS", "1")
             s = m.session(max_context=96)
         with s:
             s.prefill(ids[:n_prompt])
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                s.step(int(ids[n_prompt]))
-    return any("qc_qkv_attention_kernel" in e.name for e in prof.events())
+            names = cuda_kernels_run(lambda: s.step(int(ids[n_prompt])))
+    return None if names is None else any("qc_qkv_attention_kernel" in n for n in names)
 
 
 # x's norm in the one launch quantizes four blocks of 32 a warp, 4 * 16 a pass (qkv_attention.cu,
