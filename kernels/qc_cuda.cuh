@@ -237,6 +237,32 @@ __device__ __forceinline__ float qc_silu_mul(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
 }
 
+/* ---- rmsnorm's numbers ----
+ * Every norm of x (rmsnorm.cu; the fused ops' norms, qc_gemv.cuh's qc_norm_row_scale and
+ * qkv_attention.cu's qc_qa_norm_quantize) computes the same value: QC_NORM_ROW_THREADS fmaf
+ * chains (chain t over x[t], x[t + 256], ...: each kernel loads them its own way), each warp's
+ * chains added by qc_norm_warp_sum, its eight warp sums added in warp order, and the scale
+ * 1 / sqrtf(ss / dim + eps) with IEEE sqrt and division (nvcc's defaults), the CPU's formula.
+ * So the fused ops and the rmsnorm op agree bit for bit. */
+#define QC_NORM_ROW_THREADS 256
+/* v summed over the 32 lanes of a warp (into every lane), in the norms' order: xor 16, 8, .., 1. */
+__device__ __forceinline__ float qc_norm_warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+/* 1 / rms: the scale of a row of n values (n converted by the caller) whose squares sum to ss. */
+__device__ __forceinline__ float qc_rms_scale(float ss, float n, float eps) {
+    return 1.0f / sqrtf(ss / n + eps);
+}
+/* The scale from the eight warp sums (warp_ss[0 .. QC_NORM_ROW_THREADS / 32)), added in order. */
+__device__ __forceinline__ float qc_norm_scale_of_warps(const float *warp_ss, int dim, float eps) {
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < QC_NORM_ROW_THREADS / 32; i++) total += warp_ss[i];
+    return qc_rms_scale(total, (float)dim, eps);
+}
+
 /* ---- programmatic dependent launch (PDL, sm_90+) ----
  * A decode step is ~250 small kernels, each a few microseconds; between two of them the GPU
  * used to drain the first, then launch, schedule and ramp up the second, with no weight in

@@ -64,10 +64,8 @@ __device__ __forceinline__ void qc_load_x8_shared(const float *xr, int64_t p, in
  * of several tokens, go through the rmsnorm op into a scratch buffer first. */
 #define QC_NORM_FUSE_MAX_COLS 4096
 /* x[i] / rms(x) * w[i] of one row of dim values into xs (shared memory), by a block of
- * QC_GEMV_WARPS warps, with the rmsnorm kernel's numbers bit for bit (rmsnorm.cu): its 256
- * threads' strided fmaf chains are this block's two chains per thread, reduced by the same
- * shuffles, and the eight warp sums are added in the same order. Every thread calls it. */
-#define QC_NORM_ROW_THREADS 256   /* rmsnorm.cu's QC_NORM_THREADS */
+ * QC_GEMV_WARPS warps, with rmsnorm's numbers bit for bit (qc_cuda.cuh): its 256 chains are
+ * this block's two chains per thread. Every thread calls it. */
 /* Its first half: 1 / rms(x), the rmsnorm kernel's value, in every thread; x[i] * scale * w[i]
  * is then element i, bit for bit (qc_norm_quantize_q8_kernel normalises only its own blocks).
  * x is in global memory, read through L2 (__ldcg: never a stale L1 line), or with XS in shared
@@ -108,16 +106,11 @@ __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, 
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) ss[h] += __shfl_xor_sync(0xffffffffu, ss[h], off);
+        ss[h] = qc_norm_warp_sum(ss[h]);
         if (lane == 0) warp_sums[warp + h * QC_GEMV_WARPS] = ss[h];
     }
     __syncthreads();
-    if (tid == 0) {
-        float total = 0.0f;
-        for (int i = 0; i < QC_NORM_ROW_THREADS / 32; i++) total += warp_sums[i];
-        warp_sums[QC_NORM_ROW_THREADS / 32] = 1.0f / sqrtf(total / (float)dim + eps);
-    }
+    if (tid == 0) warp_sums[QC_NORM_ROW_THREADS / 32] = qc_norm_scale_of_warps(warp_sums, dim, eps);
     __syncthreads();
     return warp_sums[QC_NORM_ROW_THREADS / 32];
 }

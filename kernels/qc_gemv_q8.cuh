@@ -483,10 +483,7 @@ __device__ __forceinline__ void qc_gemv_row_either(bool q8, uint32_t type, const
  * scale is rmsnorm's formula over their sum, added in one fixed order, so every block of
  * every launch gets the same value. */
 __device__ __forceinline__ float qc_norm_block_ss(float x) {
-    float ss = x * x;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    return ss;   /* lane 0's is the one stored */
+    return qc_norm_warp_sum(x * x);   /* lane 0's is the one stored */
 }
 /* In two halves, so that the load of ss (written by a kernel before this one; through L2) is in
  * flight during the dot products: this lane's block sum (cols <= QC_NORM_SS_MAX_COLS: one a
@@ -499,10 +496,8 @@ __device__ __forceinline__ float qc_norm_ss_load(const float *ss, int64_t cols) 
     return lane < cols / 32 ? __ldcg(ss + lane) : 0.0f;
 }
 __device__ __forceinline__ float qc_norm_scale_of_ss(float part, int64_t cols, float eps) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-    part = __shfl_sync(0xffffffffu, part, 0);
-    return 1.0f / sqrtf(part / (float)cols + eps);
+    part = __shfl_sync(0xffffffffu, qc_norm_warp_sum(part), 0);
+    return qc_rms_scale(part, (float)cols, eps);
 }
 
 /* Quantize x (n rows of cols floats, cols a multiple of 32) into the backend's q8 buffer and

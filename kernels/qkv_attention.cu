@@ -111,23 +111,33 @@ __device__ __forceinline__ void qc_qa_prefetch_row(const uint8_t *row, int64_t b
 }
 
 /* x normalised and quantized into this block's shared memory (qs, ds: the 8-bit form): with
- * norm_w, qc_norm_quantize_q8_kernel's values (rmsnorm's QC_NORM_ROW_THREADS strided fmaf sums,
- * each reduced by the same shuffles, the eight added in order: the same scale; x times scale
- * times the weight quantized as qc_q8_quantize_block does, eight lanes a block of 32 by
- * qc_q8_quantize_block4); without, qc_quantize_q8_kernel's. w: this lane's four norm weights of
- * the first pass (4 * QC_QA_WARPS blocks of 32), loaded before the wait; a later pass (dim >
- * 2048) loads its own. Ends with the block synchronised.
+ * norm_w, qc_norm_quantize_q8_kernel's values (rmsnorm's numbers, qc_cuda.cuh: the same scale;
+ * x times scale times the weight quantized as qc_q8_quantize_block does, eight lanes a block of
+ * 32 by qc_q8_quantize_block4); without, qc_quantize_q8_kernel's. w: this lane's four norm
+ * weights of the first pass (4 * QC_QA_WARPS blocks of 32; qc_qa_norm_w4 of qc_qa_norm_block(warp,
+ * lane, 0)), loaded before the wait; a later pass (dim > 2048) loads its own. Ends with the block
+ * synchronised.
  * x is not staged in shared memory: every thread loads from L2 the values it sums and the four
  * it quantizes, all at once, and adds the eight warps' sums itself, so two block barriers order
  * it where a copy of x, its sums, one thread's total and the quantization took four. Measured
  * (H100, same lease, the stand-in above): x quantized 1.66 -> 1.44 us after the release, decode
  * 1896-1917 -> 1932-1940 tok/s at 512 keys, 1680-1688 -> 1699-1704 at 2560. */
 #define QC_QA_NORM_PASSES (QC_NORM_FUSE_MAX_COLS / 32 / (4 * QC_QA_WARPS))
+/* The block of 32 of x that lane `lane` of warp `warp` quantizes (with the seven lanes of its
+ * group of eight) in pass p, and the lane's four norm weights of block b (zeros past nb blocks or
+ * without norm_w). */
+__device__ __forceinline__ int qc_qa_norm_block(int warp, int lane, int p) {
+    return 4 * warp + 4 * QC_QA_WARPS * p + (lane >> 3);
+}
+__device__ __forceinline__ void qc_qa_norm_w4(const float *norm_w, int b, int lane, int nb, float (&w)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = norm_w && b < nb ? __ldg(norm_w + 32 * b + 4 * (lane & 7) + k) : 0.0f;
+}
 __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float *norm_w, const float (&w)[4],
                                                     int dim, float eps, int8_t *qs, float2 *ds, float *norm_tmp) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane & 7, nb = dim / 32;
     /* the first pass's values, loaded beside the sums' */
-    const int b_first = 4 * warp + (lane >> 3);
+    const int b_first = qc_qa_norm_block(warp, lane, 0);
     float4 v = b_first < nb ? __ldcg((const float4 *)(x + 32 * b_first + 4 * sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
     float scale = 1.0f;
     if (norm_w) {
@@ -138,25 +148,20 @@ __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float 
                 const float xi = __ldcg(x + i);
                 ss = fmaf(xi, xi, ss);
             }
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+            ss = qc_norm_warp_sum(ss);
             if (lane == 0) norm_tmp[warp] = ss;
         }
         __syncthreads();
-        float total = 0.0f;
-#pragma unroll
-        for (int i = 0; i < QC_NORM_ROW_THREADS / 32; i++) total += norm_tmp[i];
-        scale = 1.0f / sqrtf(total / (float)dim + eps);
+        scale = qc_norm_scale_of_warps(norm_tmp, dim, eps);
     }
 #pragma unroll
     for (int p = 0; p < QC_QA_NORM_PASSES; p++) {
-        const int b0 = 4 * warp + 4 * QC_QA_WARPS * p, b = b0 + (lane >> 3);
+        const int b0 = qc_qa_norm_block(warp, 0, p), b = qc_qa_norm_block(warp, lane, p);   /* (b0: lane 0's) */
         if (b0 >= nb) break;   /* whole warps */
         float wp[4] = {w[0], w[1], w[2], w[3]};
         if (p > 0) {
             v = b < nb ? __ldcg((const float4 *)(x + 32 * b + 4 * sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int k = 0; k < 4; k++) wp[k] = norm_w && b < nb ? __ldg(norm_w + 32 * b + 4 * sub + k) : 0.0f;
+            qc_qa_norm_w4(norm_w, b, lane, nb, wp);
         }
         const float a[4] = {v.x, v.y, v.z, v.w};
         float q[4];
@@ -227,11 +232,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
         }
     }
     float norm_w[4];   /* the first pass's (qc_qa_norm_quantize) */
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const int b = 4 * warp + (lane >> 3);
-        norm_w[k] = P.norm_w && b < P.dim / 32 ? __ldg(P.norm_w + 32 * b + 4 * (lane & 7) + k) : 0.0f;
-    }
+    qc_qa_norm_w4(P.norm_w, qc_qa_norm_block(warp, lane, 0), lane, P.dim / 32, norm_w);
     qc_grid_start();
     /* the angles: from the step's first launch (read here, used after the dot products), or
      * computed above by this one, which leaves them for the others */

@@ -1,12 +1,11 @@
 /* rmsnorm.cu: out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, in fp32.
  *
- * One block per row: the row's sum of squares is a block reduction (warp shuffles, then one
- * value per warp through shared memory, added in warp order: qc_norm_row_scale of qc_gemv.cuh
- * repeats these numbers); the scale is computed as the CPU does,
- * 1 / sqrtf(ss / dim + eps) with IEEE sqrt and division (nvcc's defaults). */
+ * One block per row, a thread per chain of rmsnorm's numbers (qc_cuda.cuh): the row's sum of
+ * squares is a block reduction (qc_norm_warp_sum, then one value per warp through shared memory,
+ * added in warp order) and the scale is qc_rms_scale's. */
 #include "qc_cuda.cuh"
 
-#define QC_NORM_THREADS 256
+#define QC_NORM_THREADS QC_NORM_ROW_THREADS
 
 /* PER > 0: the row has at most PER * QC_NORM_THREADS values, and each thread loads all of its
  * x and w values into registers before the first fmaf, so its loads are in flight together: a
@@ -38,15 +37,10 @@ qc_rmsnorm_kernel(const float *__restrict__ x, const float *__restrict__ w, int 
     } else {
         for (int i = tid; i < dim; i += QC_NORM_THREADS) ss = fmaf(xr[i], xr[i], ss);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    ss = qc_norm_warp_sum(ss);
     if ((tid & 31) == 0) warp_sums[tid >> 5] = ss;
     __syncthreads();
-    if (tid == 0) {
-        float total = 0.0f;
-        for (int i = 0; i < QC_NORM_THREADS / 32; i++) total += warp_sums[i];
-        scale_s = 1.0f / sqrtf(total / (float)dim + eps);
-    }
+    if (tid == 0) scale_s = qc_norm_scale_of_warps(warp_sums, dim, eps);
     __syncthreads();
     const float scale = scale_s;
     /* out may alias x: each element is read before its own write, and the sum is complete */
