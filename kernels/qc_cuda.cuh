@@ -243,7 +243,9 @@ __device__ __forceinline__ float qc_silu_mul(float g, float u) {
  * chains (chain t over x[t], x[t + 256], ...: each kernel loads them its own way), each warp's
  * chains added by qc_norm_warp_sum, its eight warp sums added in warp order, and the scale
  * 1 / sqrtf(ss / dim + eps) with IEEE sqrt and division (nvcc's defaults), the CPU's formula.
- * So the fused ops and the rmsnorm op agree bit for bit. */
+ * So the fused ops and the rmsnorm op agree bit for bit. The norm-after scale (qc_gemv_q8.cuh, "a
+ * norm's scale after the dot products") adds blocks' sums in another order, with the same
+ * shuffles and formula. */
 #define QC_NORM_ROW_THREADS 256
 /* v summed over the 32 lanes of a warp (into every lane), in the norms' order: xor 16, 8, .., 1. */
 __device__ __forceinline__ float qc_norm_warp_sum(float v) {
