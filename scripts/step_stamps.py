@@ -37,6 +37,10 @@ Each translation unit keeps the last 2^19 blocks it launched: at 0.5B, matmul.cu
 Cost: an atomic at each block's entry (its result used only at the end) and eight stores at its
 end: the real file's 0.5B decode ran 1756 tok/s stamped against 1913-1921 (H100), so compare
 stamped builds with stamped builds. What it found is in bench/results/20261125-c5a1fd0-*.
+The cost is not the same for every kernel, so a stamped gain needs the bench's confirmation: a
+gate/up kernel in 16-row blocks took a stamped step from 510.5 to 493.7 us, while the bench and
+profile_decode.py's timeline (no work added to the kernels) saw it even (report 3ab6c39,
+addendum "Probes on aa57892").
 """
 import pathlib
 import re

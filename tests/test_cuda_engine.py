@@ -27,7 +27,7 @@ import qwencuda
 from qwencuda import kernels as K
 from qwencuda import testing
 
-from engine_util import cuda_kernels_run, norm_err
+from engine_util import cuda_kernel_ran, norm_err
 
 FP32_TOL = 5e-4
 F16_TOL = 5e-2
@@ -320,8 +320,7 @@ def test_gemv_rows4_changes_no_bit(type_name, monkeypatch):
     def rows4_ran():
         """Whether a one-token matmul of the first case ran qc_gemv_q8_rows4_kernel (None: no torch)."""
         w, x, _, _ = cases[0]
-        names = cuda_kernels_run(lambda: K.matmul(w, x[0], device="cuda"))
-        return None if names is None else any("qc_gemv_q8_rows4_kernel" in n for n in names)
+        return cuda_kernel_ran(lambda: K.matmul(w, x[0], device="cuda"), "qc_gemv_q8_rows4_kernel")
 
     monkeypatch.setenv("QWENCUDA_GEMV_ROWS4", "0")
     plain = run()

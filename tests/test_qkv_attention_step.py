@@ -15,7 +15,7 @@ import pytest
 import qwencuda as qc
 from qwencuda import testing
 
-from engine_util import cuda_kernels_run
+from engine_util import cuda_kernel_ran
 
 pytestmark = pytest.mark.gpu
 
@@ -68,8 +68,7 @@ def _launch_ran(path, monkeypatch, ids, n_prompt):
             s = m.session(max_context=96)
         with s:
             s.prefill(ids[:n_prompt])
-            names = cuda_kernels_run(lambda: s.step(int(ids[n_prompt])))
-    return None if names is None else any("qc_qkv_attention_kernel" in n for n in names)
+            return cuda_kernel_ran(lambda: s.step(int(ids[n_prompt])), "qc_qkv_attention_kernel")
 
 
 # x's norm in the one launch quantizes four blocks of 32 a warp, 4 * 16 a pass (qkv_attention.cu,
