@@ -5,7 +5,8 @@
 #   3. the whole test suite, GPU tests included (QWENCUDA_MODEL: the real model, when present);
 #   4. `python -m qwencuda bench` (prompt 512, decode 128) on the synthetic files and the real one,
 #      and scripts/kernel_bench.py (matmul per weight type at 0.5B shapes, and decode at 7B shapes:
-#      us and GB/s);
+#      us and GB/s), and where a decode step's time goes kernel by kernel (scripts/profile_decode.py
+#      timeline, where torch is installed);
 #   5. compute-sanitizer memcheck of short CUDA generations (prefill on both matmul paths, decode
 #      steps; with every capture (the unfused ops) and without (the fused ops, replayed decode));
 #   6. a report bench/results/<date>-<commit>-<device>.md.
@@ -175,6 +176,13 @@ if has_step bench && [ "$build_status" != FAILED ]; then
     [ -e "$sf" ] && (cd /tmp && timeout 240 "$PY" "$top/scripts/sampling_bench.py" "$sf" cuda \
         "${GPU_CHECK_PROMPT:-512}" "${GPU_CHECK_GEN:-128}" "${GPU_CHECK_REPEATS:-3}") >>"$logdir/bench.log" 2>&1 \
         || echo "sampling_bench failed" >>"$logdir/bench.log"
+    # each kernel's share of a decode step, from CUPTI's start and end times: the kernels run as
+    # built, where %globaltimer stamps (scripts/step_stamps.py) change what they time
+    if [ -e "$sf" ] && "$PY" -c "import torch" 2>/dev/null; then
+        echo "decode timeline ($(basename "$sf"), after ${GPU_CHECK_PROMPT:-512} tokens; scripts/profile_decode.py):" >>"$logdir/bench.log"
+        (cd /tmp && timeout 180 "$PY" "$top/scripts/profile_decode.py" timeline "$sf" "${GPU_CHECK_PROMPT:-512}" 16 2>&1 \
+            | grep -v -i "warn") >>"$logdir/bench.log" || echo "profile_decode timeline failed" >>"$logdir/bench.log"
+    fi
     cat "$logdir/bench.log" 2>/dev/null
 fi
 
