@@ -231,6 +231,12 @@ static int cu_replay(qc_backend *be, void *recording) {
     return QC_CUDA(be, cudaGraphLaunch((cudaGraphExec_t)recording, qc_cuda_of(be)->stream));
 }
 
+/* download_start (backend.h): src into the next slot of mapped host memory by a one-warp kernel
+ * (sample.cu, qc_cuda_to_host), then the slot's event. Why not cudaMemcpyAsync: between two
+ * replays of a pipelined decode step the copy engine started 3.9-8.9 us after the step's last
+ * kernel and took 1.4 us, and the next replay waited for it; the kernel leaves 1.6 us between
+ * the steps (H100, synthetic 0.5B Q4_K_M, CUPTI: 491.6 against 498.7 us a step at 512 keys).
+ * QWENCUDA_COPY_KERNEL=0 at creation takes the copy engine, to compare. */
 static int cu_download_start(qc_backend *be, const void *src, size_t bytes, int *ticket) {
     qc_cuda *cu = qc_cuda_of(be);
     *ticket = -1;
@@ -239,8 +245,13 @@ static int cu_download_start(qc_backend *be, const void *src, size_t bytes, int 
     if (use_device(be) < 0) return -1;
     if (cu->ahead_host == NULL) {
         void *host = NULL;
-        if (QC_CUDA(be, cudaHostAlloc(&host, QC_DOWNLOAD_TICKETS * QC_DOWNLOAD_AHEAD_BYTES, cudaHostAllocDefault)) < 0)
+        void *host_dev = NULL;
+        if (QC_CUDA(be, cudaHostAlloc(&host, QC_DOWNLOAD_TICKETS * QC_DOWNLOAD_AHEAD_BYTES, cudaHostAllocMapped)) < 0)
             return -1;
+        if (QC_CUDA(be, cudaHostGetDevicePointer(&host_dev, host, 0)) < 0) {
+            cudaFreeHost(host);
+            return -1;
+        }
         for (int i = 0; i < QC_DOWNLOAD_TICKETS; i++) {
             if (QC_CUDA(be, cudaEventCreateWithFlags(&cu->ahead_copied[i], cudaEventDisableTiming)) < 0) {
                 while (i-- > 0) cudaEventDestroy(cu->ahead_copied[i]);
@@ -249,12 +260,14 @@ static int cu_download_start(qc_backend *be, const void *src, size_t bytes, int 
             }
         }
         cu->ahead_host = (uint8_t *)host;
+        cu->ahead_host_dev = (uint8_t *)host_dev;
     }
     const int t = (int)(cu->next_ticket % QC_DOWNLOAD_TICKETS);
-    if (QC_CUDA(be, cudaMemcpyAsync(cu->ahead_host + t * QC_DOWNLOAD_AHEAD_BYTES, src, bytes, cudaMemcpyDeviceToHost,
-                                    cu->stream)) < 0 ||
-        QC_CUDA(be, cudaEventRecord(cu->ahead_copied[t], cu->stream)) < 0)
-        return -1;
+    const size_t at = (size_t)t * QC_DOWNLOAD_AHEAD_BYTES;
+    const int copied = cu->copy_kernel ? qc_cuda_to_host(be, src, cu->ahead_host_dev + at, (int)bytes)
+                                       : QC_CUDA(be, cudaMemcpyAsync(cu->ahead_host + at, src, bytes, cudaMemcpyDeviceToHost,
+                                                                     cu->stream));
+    if (copied < 0 || QC_CUDA(be, cudaEventRecord(cu->ahead_copied[t], cu->stream)) < 0) return -1;
     cu->next_ticket++;
     *ticket = t;
     return 0;
@@ -456,7 +469,8 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
          * qkv_attention's one launch (qkv_attention.cu), and the lm_head's four rows a warp
          * (matmul.cu): QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0, QWENCUDA_WEIGHTS_SHARED=0,
          * QWENCUDA_ATTENTION_HOLD=0, QWENCUDA_READ_AHEAD=0, QWENCUDA_QKV_ATTENTION=0 and
-         * QWENCUDA_GEMV_ROWS4=0 turn them off */
+         * QWENCUDA_GEMV_ROWS4=0 turn them off; QWENCUDA_COPY_KERNEL=0 copies download_start's
+         * bytes with cudaMemcpyAsync instead of a kernel */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
         cu->w_shared = sm90 && env_on("QWENCUDA_WEIGHTS_SHARED");
@@ -464,6 +478,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->read_ahead = env_on("QWENCUDA_READ_AHEAD");
         cu->qkv_attention = env_on("QWENCUDA_QKV_ATTENTION");
         cu->gemv_rows4 = env_on("QWENCUDA_GEMV_ROWS4");
+        cu->copy_kernel = env_on("QWENCUDA_COPY_KERNEL");
     }
     if (qc_cuda_flash_attention_init(be) < 0) {
         qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

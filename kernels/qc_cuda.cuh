@@ -125,10 +125,15 @@ typedef struct qc_cuda {
      * qkv_attention reads it: the rows it names are in L2 or on their way */
     qc_l2_ahead ahead_issued;
     /* download_start's copies (backend.h): QC_DOWNLOAD_TICKETS slots of pinned host memory,
-     * QC_DOWNLOAD_AHEAD_BYTES each, and the event after each slot's copy; made at the first
-     * download_start. The next copy takes slot next_ticket % QC_DOWNLOAD_TICKETS. */
+     * QC_DOWNLOAD_AHEAD_BYTES each, mapped for the device (ahead_host_dev), and the event after
+     * each slot's copy; made at the first download_start. The next copy takes slot
+     * next_ticket % QC_DOWNLOAD_TICKETS. */
     uint8_t *ahead_host;
+    uint8_t *ahead_host_dev;
     cudaEvent_t ahead_copied[QC_DOWNLOAD_TICKETS];
+    /* download_start copies by a kernel's stores into the mapped slot (qc_cuda_to_host), not by
+     * cudaMemcpyAsync: QWENCUDA_COPY_KERNEL is not "0" at creation (to compare) */
+    int copy_kernel;
     unsigned next_ticket;
 } qc_cuda;
 #define QC_DEC_SYNC_BARRIER 2
@@ -227,6 +232,8 @@ int qc_cuda_dequantize_rows(qc_backend *be, const qc_weight *w, int64_t row0, in
                             void *dst, int half_out);
 /* dst[i] = bias[i % rows] added to out[n][rows]. */
 int qc_cuda_add_bias(qc_backend *be, float *out, const float *bias, int n, int64_t rows);
+/* bytes (<= QC_DOWNLOAD_AHEAD_BYTES) of src into host memory mapped for the device (sample.cu) */
+int qc_cuda_to_host(qc_backend *be, const void *src, void *host, int bytes);
 /* f32 -> f16, count values. */
 int qc_cuda_to_half(qc_backend *be, const float *src, void *dst, int64_t count);
 

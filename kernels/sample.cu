@@ -570,3 +570,16 @@ int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *
               (qc_sample_state *)state, ids, pos, n_vocab);
     return QC_LAUNCHED(be, "qc_feed_draw_kernel");
 }
+
+/* download_start's copy (cuda_backend.cu says why a kernel): bytes of src into host memory mapped
+ * for the device, by one warp's stores. The event recorded after it completes only once they are
+ * visible to the host. */
+__global__ void qc_to_host_kernel(const uint8_t *src, uint8_t *host, int bytes) {
+    qc_grid_start();
+    for (int i = threadIdx.x; i < bytes; i += blockDim.x) host[i] = src[i];
+}
+
+int qc_cuda_to_host(qc_backend *be, const void *src, void *host, int bytes) {
+    qc_launch(qc_cuda_of(be), qc_to_host_kernel, dim3(1), dim3(32), 0, (const uint8_t *)src, (uint8_t *)host, bytes);
+    return QC_LAUNCHED(be, "qc_to_host_kernel");
+}

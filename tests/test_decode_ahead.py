@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import qwencuda as qc
-from engine_util import model_file, session_with_env
+from engine_util import cuda_kernel_ran, model_file, session_with_env
 
 SAMPLERS = {
     "greedy": dict(temperature=0.0),
@@ -97,6 +97,30 @@ def test_generation_loop_runs_ahead(monkeypatch, config, weight_type, kv_type, s
     _assert_same(on, off)
     assert _ahead_flags(on) == [False, False, False] + [True] * 22
     assert not any(_ahead_flags(off))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+def test_draw_copied_by_a_kernel_or_the_copy_engine(monkeypatch, sampler):
+    """Each step of the loop hands its draw (token and RNG) to the host through download_start:
+    a one-warp kernel's stores into mapped host memory (kernels/sample.cu, qc_to_host_kernel), or
+    with QWENCUDA_COPY_KERNEL=0 (read when the CUDA backend is made) cudaMemcpyAsync. The same
+    tokens either way, and, where torch is present, the kernel seen to run only by default."""
+    script = [("prefill", [3, 17, 99, 250, 7]), ("loop", 16)]
+    got = {}
+    for copy_kernel in ("0", None):
+        if copy_kernel is None:
+            monkeypatch.delenv("QWENCUDA_COPY_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("QWENCUDA_COPY_KERNEL", copy_kernel)
+        with qc.Model(model_file("tiny-hd64", "q4_k_m"), device="cuda") as m:
+            records = []
+            ran = cuda_kernel_ran(lambda: records.extend(_run(m, monkeypatch, AHEAD, script, sampler,
+                                                              max_context=64)), "qc_to_host_kernel")
+            got[copy_kernel] = (records, ran)
+    _assert_same(got[None][0], got["0"][0])
+    assert _ahead_flags(got[None][0]) == [False, False, False] + [True] * 14
+    assert got[None][1] in (None, True) and got["0"][1] in (None, False)
 
 
 @pytest.mark.gpu
