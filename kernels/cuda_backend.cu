@@ -233,7 +233,7 @@ static int cu_replay(qc_backend *be, void *recording) {
 
 /* download_start (backend.h): src into the next slot of mapped host memory by a one-warp kernel
  * (sample.cu, qc_cuda_to_host), then the slot's event. Why not cudaMemcpyAsync: between two
- * replays of a pipelined decode step the copy engine started 3.9-8.9 us after the step's last
+ * replays of a pipelined decode step the copy engine started 2.6-8.9 us after the step's last
  * kernel and took 1.4 us, and the next replay waited for it; the kernel leaves 1.6 us between
  * the steps (H100, synthetic 0.5B Q4_K_M, CUPTI: 491.6 against 498.7 us a step at 512 keys).
  * QWENCUDA_COPY_KERNEL=0 at creation takes the copy engine, to compare. */
