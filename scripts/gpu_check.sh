@@ -5,8 +5,8 @@
 #   3. the whole test suite, GPU tests included (QWENCUDA_MODEL: the real model, when present);
 #   4. `python -m qwencuda bench` (prompt 512, decode 128) on the synthetic files and the real one,
 #      and scripts/kernel_bench.py (matmul per weight type at 0.5B shapes, and decode at 7B shapes:
-#      us and GB/s), and where a decode step's time goes kernel by kernel (scripts/profile_decode.py
-#      timeline, where torch is installed);
+#      us and GB/s), and where a decode step's time goes kernel by kernel and between the steps of
+#      the generation loop (scripts/profile_decode.py timeline and loop, where torch is installed);
 #   5. compute-sanitizer memcheck of short CUDA generations (prefill on both matmul paths, decode
 #      steps; with every capture (the unfused ops) and without (the fused ops, replayed decode));
 #   6. a report bench/results/<date>-<commit>-<device>.md.
@@ -182,6 +182,10 @@ if has_step bench && [ "$build_status" != FAILED ]; then
         echo "decode timeline ($(basename "$sf"), after ${GPU_CHECK_PROMPT:-512} tokens; scripts/profile_decode.py):" >>"$logdir/bench.log"
         (cd /tmp && timeout 180 "$PY" "$top/scripts/profile_decode.py" timeline "$sf" "${GPU_CHECK_PROMPT:-512}" 16 2>&1 \
             | grep -v -i "warn") >>"$logdir/bench.log" || echo "profile_decode timeline failed" >>"$logdir/bench.log"
+        # and between the steps of the generation loop (the draw's hand-off to the host)
+        echo "decode loop between steps ($(basename "$sf"); scripts/profile_decode.py loop):" >>"$logdir/bench.log"
+        (cd /tmp && timeout 180 "$PY" "$top/scripts/profile_decode.py" loop "$sf" "${GPU_CHECK_PROMPT:-512}" 40 2>&1 \
+            | grep -v -i "warn") >>"$logdir/bench.log" || echo "profile_decode loop failed" >>"$logdir/bench.log"
     fi
     cat "$logdir/bench.log" 2>/dev/null
 fi

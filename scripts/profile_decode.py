@@ -17,6 +17,13 @@
         it moved the step's end (its end minus the latest end before it; what a kernel hides
         under another costs nothing), next to its own duration; their sum is the step's time
         on the GPU. Needs torch with CUDA.
+    python scripts/profile_decode.py loop MODEL [PROMPT_TOKENS] [STEPS]
+        the generation loop as the bench runs it (greedy draws on the device, each step queued
+        before the host has seen the token before), from torch.profiler: the median step period
+        (one step's first kernel to the next one's) and how long the GPU ran no kernel between
+        two steps, and what ran there (the copies of the draw to the host; the last kernels of a
+        step and the first of the next, timed from the next step's first kernel). Needs torch
+        with CUDA.
 """
 import csv
 import os
@@ -35,6 +42,52 @@ def run(model, prompt_tokens=512, steps=3, graphs=False):
         token = int(tr.argmax[-1])
         for _ in range(steps):
             token = int(s.step(token).argmax[-1])
+
+
+def loop_events(model, prompt_tokens=512, steps=40):
+    """Every CUDA event (kernels and copies) of `steps` greedy steps of a generation loop, after
+    a prompt and 8 steps unprofiled, in start order: (name, start us, end us)."""
+    import qwencuda
+    from qwencuda.sampling import Sampler
+    from torch.profiler import ProfilerActivity, profile
+
+    with qwencuda.Model(model, device="cuda") as m, m.session(max_context=prompt_tokens + steps + 9) as s:
+        greedy = Sampler(m.config.n_vocab, temperature=0.0)
+        ids = [(1000 + 7 * i) % m.config.n_vocab for i in range(prompt_tokens)]
+        token = s.prefill(ids, logits=None, sampler=greedy).token
+        for _ in range(8):
+            token = s.step(token, logits=None, sampler=greedy).token
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                token = s.step(token, logits=None, sampler=greedy).token
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    return [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events]
+
+
+def loop(events):
+    """The steps of loop_events: each starts with its embedding's kernel."""
+    import statistics
+
+    copy = lambda name: "memcpy" in name.lower() or "memset" in name.lower()
+    firsts = [i for i, (name, _, _) in enumerate(events) if "embed" in name]
+    if len(firsts) < 3:
+        raise SystemExit("need at least three steps (embedding kernels) in the profile")
+    periods, idle = [], []
+    for a, b in zip(firsts, firsts[1:]):
+        last_kernel = max(end for name, _, end in events[a:b] if not copy(name))
+        periods.append(events[b][1] - events[a][1])
+        idle.append(events[b][1] - last_kernel)
+    print(f"{len(periods)} steps: period {statistics.median(periods):.1f} us (median; "
+          f"{min(periods):.1f}..{max(periods):.1f}); no kernel running between two steps "
+          f"{statistics.median(idle):.1f} us (median; {min(idle):.1f}..{max(idle):.1f})")
+    mid = len(firsts) // 2
+    a, b = firsts[mid - 1], firsts[mid]
+    t0 = events[b][1]
+    copies = [(name, start, end) for name, start, end in events[a:b] if copy(name)]
+    tail = [ev for ev in events[a:b] if not copy(ev[0])][-3:]
+    print("the end of a step and the start of the next (us from the next step's first kernel):")
+    for name, start, end in sorted(tail + copies + events[b:b + 2], key=lambda ev: ev[1]):
+        print(f"  {name.split('(')[0][:58]:58s} start {start - t0:8.1f}  {end - start:6.1f} us")
 
 
 def ncu_launches(path):
@@ -115,6 +168,8 @@ if __name__ == "__main__":
         report(torch_launches(sys.argv[2], *(int(a) for a in sys.argv[3:5])))
     elif len(sys.argv) >= 3 and sys.argv[1] == "timeline":
         timeline(torch_kernels(sys.argv[2], *(int(a) for a in sys.argv[3:5]), graphs=True))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "loop":
+        loop(loop_events(sys.argv[2], *(int(a) for a in sys.argv[3:5])))
     elif len(sys.argv) == 3 and sys.argv[1] == "report":
         report(ncu_launches(sys.argv[2]))
     else:
