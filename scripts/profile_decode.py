@@ -27,6 +27,7 @@
 """
 import csv
 import os
+import statistics
 import sys
 from collections import defaultdict
 
@@ -66,9 +67,9 @@ def loop_events(model, prompt_tokens=512, steps=40):
 
 def loop(events):
     """The steps of loop_events: each starts with its embedding's kernel."""
-    import statistics
+    def copy(name):
+        return "memcpy" in name.lower() or "memset" in name.lower()
 
-    copy = lambda name: "memcpy" in name.lower() or "memset" in name.lower()
     firsts = [i for i, (name, _, _) in enumerate(events) if "embed" in name]
     if len(firsts) < 3:
         raise SystemExit("need at least three steps (embedding kernels) in the profile")
