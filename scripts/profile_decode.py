@@ -32,14 +32,34 @@ import sys
 from collections import defaultdict
 
 
+def _prompt(m, prompt_tokens):
+    """The ids every mode prefills: the same pattern below n_vocab in every run."""
+    return [(1000 + 7 * i) % m.config.n_vocab for i in range(prompt_tokens)]
+
+
+def _cuda_events(fn):
+    """(name, start us, end us) of every CUDA event (kernels and copies) of fn(), in start order,
+    from torch.profiler (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: e.time_range.start)
+    return [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events]
+
+
+def _is_copy(name):
+    return "memcpy" in name.lower() or "memset" in name.lower()
+
+
 def run(model, prompt_tokens=512, steps=3, graphs=False):
     if not graphs:
         os.environ["QWENCUDA_NO_GRAPHS"] = "1"
     import qwencuda
 
     with qwencuda.Model(model, device="cuda") as m, m.session(max_context=prompt_tokens + steps + 1) as s:
-        ids = [(1000 + 7 * i) % m.config.n_vocab for i in range(prompt_tokens)]
-        tr = s.prefill(ids)
+        tr = s.prefill(_prompt(m, prompt_tokens))
         token = int(tr.argmax[-1])
         for _ in range(steps):
             token = int(s.step(token).argmax[-1])
@@ -50,32 +70,28 @@ def loop_events(model, prompt_tokens=512, steps=40):
     a prompt and 8 steps unprofiled, in start order: (name, start us, end us)."""
     import qwencuda
     from qwencuda.sampling import Sampler
-    from torch.profiler import ProfilerActivity, profile
 
     with qwencuda.Model(model, device="cuda") as m, m.session(max_context=prompt_tokens + steps + 9) as s:
         greedy = Sampler(m.config.n_vocab, temperature=0.0)
-        ids = [(1000 + 7 * i) % m.config.n_vocab for i in range(prompt_tokens)]
-        token = s.prefill(ids, logits=None, sampler=greedy).token
+        token = s.prefill(_prompt(m, prompt_tokens), logits=None, sampler=greedy).token
         for _ in range(8):
             token = s.step(token, logits=None, sampler=greedy).token
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+        def steps_run():
+            nonlocal token
             for _ in range(steps):
                 token = s.step(token, logits=None, sampler=greedy).token
-    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    return [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in events]
+        return _cuda_events(steps_run)
 
 
 def loop(events):
     """The steps of loop_events: each starts with its embedding's kernel."""
-    def copy(name):
-        return "memcpy" in name.lower() or "memset" in name.lower()
-
     firsts = [i for i, (name, _, _) in enumerate(events) if "embed" in name]
     if len(firsts) < 3:
         raise SystemExit("need at least three steps (embedding kernels) in the profile")
     periods, idle = [], []
     for a, b in zip(firsts, firsts[1:]):
-        last_kernel = max(end for name, _, end in events[a:b] if not copy(name))
+        last_kernel = max(end for name, _, end in events[a:b] if not _is_copy(name))
         periods.append(events[b][1] - events[a][1])
         idle.append(events[b][1] - last_kernel)
     print(f"{len(periods)} steps: period {statistics.median(periods):.1f} us (median; "
@@ -84,8 +100,8 @@ def loop(events):
     mid = len(firsts) // 2
     a, b = firsts[mid - 1], firsts[mid]
     t0 = events[b][1]
-    copies = [(name, start, end) for name, start, end in events[a:b] if copy(name)]
-    tail = [ev for ev in events[a:b] if not copy(ev[0])][-3:]
+    copies = [(name, start, end) for name, start, end in events[a:b] if _is_copy(name)]
+    tail = [ev for ev in events[a:b] if not _is_copy(ev[0])][-3:]
     print("the end of a step and the start of the next (us from the next step's first kernel):")
     for name, start, end in sorted(tail + copies + events[b:b + 2], key=lambda ev: ev[1]):
         print(f"  {name.split('(')[0][:58]:58s} start {start - t0:8.1f}  {end - start:6.1f} us")
@@ -106,14 +122,8 @@ def ncu_launches(path):
 
 def torch_kernels(model, prompt_tokens=512, steps=3, graphs=False):
     """(kernel name, start ns, end ns) of every kernel of run(), in start order, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(model, prompt_tokens, steps, graphs)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
-               and "memset" not in e.name.lower()]
-    kernels.sort(key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.start * 1e3, e.time_range.end * 1e3) for e in kernels]
+    events = _cuda_events(lambda: run(model, prompt_tokens, steps, graphs))
+    return [(name, start * 1e3, end * 1e3) for name, start, end in events if not _is_copy(name)]
 
 
 def torch_launches(model, prompt_tokens=512, steps=3):

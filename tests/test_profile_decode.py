@@ -42,3 +42,39 @@ def test_loop_period_and_the_idle_time_between_steps(capsys):
 def test_loop_needs_three_steps():
     with pytest.raises(SystemExit):
         profile_decode.loop(_loop_events(period=500.0, last_kernel_end=487.0, copy_at=493.0, steps=2))
+
+
+def test_cuda_events_keeps_the_device_events_in_start_order(monkeypatch):
+    """_cuda_events, which the timeline and loop modes read, through a stand-in for torch.profiler
+    (the real one needs torch and a GPU): the CUDA events only, kernels and copies, by start."""
+    import types
+
+    def event(name, device, start, end):
+        return types.SimpleNamespace(name=name, device_type=types.SimpleNamespace(name=device),
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+
+    ran = []
+
+    class Profile:
+        def __init__(self, activities):
+            self.activities = activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return [event("b_kernel", "CUDA", 5, 9), event("host op", "CPU", 0, 20),
+                    event("Memcpy DtoH", "CUDA", 12, 13), event("a_kernel", "CUDA", 1, 4)]
+
+    fake = types.ModuleType("torch.profiler")
+    fake.ProfilerActivity = types.SimpleNamespace(CUDA="cuda")
+    fake.profile = Profile
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setitem(sys.modules, "torch.profiler", fake)
+    got = profile_decode._cuda_events(lambda: ran.append(1))
+    assert ran == [1]
+    assert got == [("a_kernel", 1.0, 4.0), ("b_kernel", 5.0, 9.0), ("Memcpy DtoH", 12.0, 13.0)]
+    assert [n for n, _, _ in got if not profile_decode._is_copy(n)] == ["a_kernel", "b_kernel"]
