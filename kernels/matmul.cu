@@ -153,30 +153,46 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * lm_head's share of a stamped step 64.5 -> 52.1 us (2.8 TB/s); decode 1928-1941 -> 1948-1952
  * tok/s at 512 keys, 1695-1706 -> 1712-1715 at 2560, with four warps a block; logits
  * bit-identical. Eight warps a block, in a second lease: 1955-1959 tok/s at 512 keys against
- * 1947-1957 for four and 1924-1943 off. */
+ * 1947-1957 for four and 1924-1943 off.
+ * SH (cu->w_shared, where the block's rows fit QC_SHARED_COPY_MAX): the block first copies its
+ * rows into shared memory (qc_copy_to_shared: 16-byte pieces, coalesced) and its warps read them
+ * there, the same bytes. Why: read from global memory, each lane loads its 34-byte Q8_0 blocks
+ * (22 for Q5_0) a 32-bit word at a time, so a warp's load touches a sector per lane, and the
+ * lm_head stayed at 2.8-2.9 TB/s on the H100 and the H200 alike (50.1 us of a real-file step on the
+ * H200, 58% of its 4.8 TB/s; bench/results/20261201-2bcb4b0-*). */
 #define QC_GEMV_ROWS4 4
 #define QC_ROWS4_WARPS 8                /* warps a block: 32 rows */
+#define QC_ROWS4_ROWS (QC_ROWS4_WARPS * QC_GEMV_ROWS4)
 /* The 32-element types only (registers: at most 64 a thread, four blocks an SM); Q6_K's four rows
  * spilled even under 128 registers. */
-template <int T>
+template <int T, bool SH>
 __global__ void __launch_bounds__(32 * QC_ROWS4_WARPS, 32 / QC_ROWS4_WARPS)
 qc_gemv_q8_rows4_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols, const qc_q8x xq,
                         const float *__restrict__ bias, const float *residual, float *out, const qc_l2_ahead ahead) {
+    extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t block_r0 = (int64_t)blockIdx.x * QC_ROWS4_WARPS * QC_GEMV_ROWS4;
+    const int64_t block_r0 = (int64_t)blockIdx.x * QC_ROWS4_ROWS;
     const int64_t r0 = block_r0 + (int64_t)warp * QC_GEMV_ROWS4;
     const int nr = rows - r0 < QC_GEMV_ROWS4 ? (int)(rows - r0) : QC_GEMV_ROWS4;   /* < 1: no row */
-    qc_gemv_prefetch(W, row_bytes, block_r0, QC_ROWS4_WARPS * QC_GEMV_ROWS4, rows);
+    /* SH: the block's rows copied into shared memory, else asked of L2 */
+    const uint8_t *W_rows = W + block_r0 * row_bytes;
+    if constexpr (SH) {
+        const int64_t block_rows = rows - block_r0 < QC_ROWS4_ROWS ? rows - block_r0 : QC_ROWS4_ROWS;
+        W_rows = qc_copy_to_shared(w_shared, W_rows, block_rows * row_bytes);
+    } else {
+        qc_gemv_prefetch(W, row_bytes, block_r0, QC_ROWS4_ROWS, rows);
+    }
     /* lane k < nr writes row r0 + k: its bias before the wait, its residual after it */
     const float b_r = bias && lane < nr ? bias[r0 + lane] : 0.0f;
     qc_l2_ahead_issue(ahead);
     qc_grid_start();
+    if constexpr (SH) qc_copy_wait();
     if (nr < 1) return;   /* whole warps leave together */
     const float res = residual && lane < nr ? residual[r0 + lane] : 0.0f;
-    const uint8_t *const four[4] = {W + r0 * row_bytes, W + (r0 + 1) * row_bytes, W + (r0 + 2) * row_bytes,
-                                    W + (r0 + 3) * row_bytes};   /* (those past nr not read) */
+    const uint8_t *const mine = W_rows + (r0 - block_r0) * row_bytes;
+    const uint8_t *const four[4] = {mine, mine + row_bytes, mine + 2 * row_bytes, mine + 3 * row_bytes};   /* (those past nr not read) */
     float acc[QC_GEMV_ROWS4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    qc_gemv_q8_rows_upto4<T>(four, nr, cols, xq, lane, acc);
+    qc_gemv_q8_rows_upto4<T, SH>(four, nr, cols, xq, lane, acc);
     if (lane >= nr) return;
     const float a = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
     const float v = bias ? a + b_r : a;
@@ -268,9 +284,14 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
         /* one token, many waves of rows of a warp each (the lm_head): four rows a warp */
         if constexpr (S == 1 && qc_q8_unit<T>::UNIT == 32) {
             if (n == 1 && cu->gemv_rows4 && !one_wave && !launch_next) {
-                const int64_t per_block = QC_ROWS4_WARPS * QC_GEMV_ROWS4;
-                qc_launch(cu, qc_gemv_q8_rows4_kernel<T>, dim3((unsigned)((w->rows + per_block - 1) / per_block)),
-                          dim3(32 * QC_ROWS4_WARPS), 0, W, rb, w->rows, w->cols, xq, bias, residual, out, ahead);
+                const dim3 grid4((unsigned)((w->rows + QC_ROWS4_ROWS - 1) / QC_ROWS4_ROWS)), block4(32 * QC_ROWS4_WARPS);
+                const size_t shared4 = qc_shared_copy_bytes(QC_ROWS4_ROWS * rb);
+#define QC_ARGS4_ W, rb, w->rows, w->cols, xq, bias, residual, out, ahead
+                if (cu->w_shared && shared4 <= QC_SHARED_COPY_MAX)
+                    qc_launch(cu, qc_gemv_q8_rows4_kernel<T, true>, grid4, block4, shared4, QC_ARGS4_);
+                else
+                    qc_launch(cu, qc_gemv_q8_rows4_kernel<T, false>, grid4, block4, 0, QC_ARGS4_);
+#undef QC_ARGS4_
                 return;
             }
         }

@@ -411,17 +411,18 @@ __device__ __forceinline__ void qc_gemv_q8_row4_any(uint32_t type, const uint8_t
 
 /* Rows row[0 .. nr - 1] (1 <= nr <= 4) against the same x, one token: acc[k] of row k, in every
  * lane. qc_gemv_q8_row4 where there are four, else qc_gemv_q8_row_slice a row: the same bits either
- * way (the lm_head's warps, matmul.cu; the persistent decode kernel's rows, decode_step.cu). */
-template <int T>
+ * way (the lm_head's warps, matmul.cu; the persistent decode kernel's rows, decode_step.cu). SH:
+ * the rows are a shared-memory copy (qc_ldw). */
+template <int T, bool SH = false>
 __device__ __forceinline__ void qc_gemv_q8_rows_upto4(const uint8_t *const (&row)[4], int nr, int64_t cols,
                                                       const qc_q8x &x, int lane, float (&acc)[4]) {
     if (nr == 4) {
-        qc_gemv_q8_row4<T>(row, cols, x, lane, acc);
+        qc_gemv_q8_row4<T, SH>(row, cols, x, lane, acc);
         return;
     }
     for (int k = 0; k < nr; k++) {
         float a[1];
-        qc_gemv_q8_row_slice<T, 1>(row[k], cols, x, 1, 0, lane, 32, a);
+        qc_gemv_q8_row_slice<T, 1, SH>(row[k], cols, x, 1, 0, lane, 32, a);
         acc[k] = a[0];
     }
 }

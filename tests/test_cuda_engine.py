@@ -20,6 +20,7 @@ CPU's 8-bit-activation kernels (its default) have tests of their own with their 
 """
 import os
 
+import gguf
 import numpy as np
 import pytest
 
@@ -297,40 +298,55 @@ def test_read_ahead_changes_no_bit(synth_dir, config, weight_type, monkeypatch):
 def test_gemv_rows4_changes_no_bit(type_name, monkeypatch):
     """A one-token matmul of more rows than one wave of GEMV blocks (the lm_head) takes four rows a
     warp (kernels/matmul.cu, qc_gemv_q8_rows4_kernel: qc_gemv_q8_row4, each row with
-    qc_gemv_q8_row_slice's operations) for the 32-element types. Its rows must equal, bit for bit,
-    the first token's of a two-token matmul (qc_gemv_kernel, two tokens a block: the same operations
-    per token) and a backend made with QWENCUDA_GEMV_ROWS4=0; matmul_add's too. 9001 rows (a last
-    warp with one row, a last block of three warps), 896 (1024 for Q4_K and Q6_K, rows of whole
-    blocks of 256) and 256 columns, with a bias. Q4_K and Q6_K keep qc_gemv_kernel: the same checks
-    hold. Equal bits alone would pass if the kernel were never taken, so where torch is present its
-    profiler (CUPTI) must also see qc_gemv_q8_rows4_kernel run, for the 32-element types only, and
-    not with the switch off."""
+    qc_gemv_q8_row_slice's operations) for the 32-element types, and on sm_90+ each block first
+    copies its 32 rows into shared memory (qc_copy_to_shared; Q5_0 and Q4_0 rows are not 16-byte
+    aligned, and the last block has a single row). Its rows must equal, bit for bit, the first
+    token's of a two-token matmul (qc_gemv_kernel, two tokens a block: the same operations per
+    token), a backend made with QWENCUDA_GEMV_ROWS4=0 and one made with QWENCUDA_WEIGHTS_SHARED=0
+    (the four-row kernel reading global memory); matmul_add's too. 9001 rows (a last warp with one
+    row, a last block of three warps), 896 (1024 for Q4_K and Q6_K, rows of whole blocks of 256)
+    and 256 columns, with a bias. Q4_K and Q6_K keep qc_gemv_kernel: the same checks hold. Equal
+    bits alone would pass if a kernel were never taken, so where torch is present its profiler
+    (CUPTI) must also see the four-row kernel run, for the 32-element types only and not with
+    QWENCUDA_GEMV_ROWS4=0, and its shared-memory instantiation (<type, true>) by default on sm_90+
+    but not with QWENCUDA_WEIGHTS_SHARED=0."""
     rng = np.random.default_rng(41)
     cases = []
     for rows, cols in [(9001, 896 if type_name in ("Q8_0", "Q5_0", "Q4_0") else 1024), (9001, 256)]:
         w = K.Weight.from_float(rng.standard_normal((rows, cols)).astype(np.float32), type_name)
         x, bias, res = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, cols), rows, rows))
         cases.append((w, x, bias, res))
+    rows4_types = ("Q8_0", "Q5_0", "Q4_0")
+    sm90 = qwencuda.kernels.cuda_device_info(0)["compute_capability"] >= (9, 0)
+    # the kernel's template arguments as the profiler names them: the GGUF type number, SH
+    type_id = int(gguf.GGMLQuantizationType[type_name])
 
     def run():
-        K.release("cuda")   # the kernels' backend is made again, reading the switch
+        K.release("cuda")   # the kernels' backend is made again, reading the switches
         return [(K.matmul(w, x[0], bias=b, device="cuda"), K.matmul_add(w, x[0], r, device="cuda"))
                 for w, x, b, r in cases]
 
-    def rows4_ran():
-        """Whether a one-token matmul of the first case ran qc_gemv_q8_rows4_kernel (None: no torch)."""
+    def ran(kernel):
+        """Whether a one-token matmul of the first case ran `kernel` (None: no torch)."""
         w, x, _, _ = cases[0]
-        return cuda_kernel_ran(lambda: K.matmul(w, x[0], device="cuda"), "qc_gemv_q8_rows4_kernel")
+        return cuda_kernel_ran(lambda: K.matmul(w, x[0], device="cuda"), kernel)
 
     monkeypatch.setenv("QWENCUDA_GEMV_ROWS4", "0")
     plain = run()
-    assert rows4_ran() in (None, False)
+    assert ran("qc_gemv_q8_rows4_kernel") in (None, False)
     monkeypatch.delenv("QWENCUDA_GEMV_ROWS4")
+    monkeypatch.setenv("QWENCUDA_WEIGHTS_SHARED", "0")
+    from_global = run()
+    assert ran(f"qc_gemv_q8_rows4_kernel<{type_id}, true>") in (None, False)
+    assert ran(f"qc_gemv_q8_rows4_kernel<{type_id}, false>") in (None, type_name in rows4_types)
+    monkeypatch.delenv("QWENCUDA_WEIGHTS_SHARED")
     got = run()
-    assert rows4_ran() in (None, type_name in ("Q8_0", "Q5_0", "Q4_0"))
-    for (mm, ma), (pm, pa), (w, x, b, r) in zip(got, plain, cases):
+    assert ran(f"qc_gemv_q8_rows4_kernel<{type_id}, true>") in (None, sm90 and type_name in rows4_types)
+    for (mm, ma), (pm, pa), (gm, ga), (w, x, b, r) in zip(got, plain, from_global, cases):
         np.testing.assert_array_equal(mm, pm, err_msg=f"matmul {w}")
         np.testing.assert_array_equal(ma, pa, err_msg=f"matmul_add {w}")
+        np.testing.assert_array_equal(mm, gm, err_msg=f"matmul, rows from global memory {w}")
+        np.testing.assert_array_equal(ma, ga, err_msg=f"matmul_add, rows from global memory {w}")
         np.testing.assert_array_equal(mm, K.matmul(w, x, bias=b, device="cuda")[0], err_msg=f"two tokens {w}")
     K.release("cuda")
 
