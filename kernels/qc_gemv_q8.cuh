@@ -420,7 +420,11 @@ __device__ __forceinline__ void qc_gemv_q8_rows_upto4(const uint8_t *const (&row
         qc_gemv_q8_row4<T, SH>(row, cols, x, lane, acc);
         return;
     }
-    for (int k = 0; k < nr; k++) {
+    /* unrolled: row[k] and acc[k] at constant k stay in registers (a run-time k put both arrays
+     * in a stack frame, whose stores reached L2: see qc_gemv_q8_rows4_kernel) */
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        if (k >= nr) break;
         float a[1];
         qc_gemv_q8_row_slice<T, 1, SH>(row[k], cols, x, 1, 0, lane, 32, a);
         acc[k] = a[0];

@@ -28,8 +28,8 @@ This tool answers that, for a copy of the tree, without changing the tree itself
         body, and the inner marks' medians after each block's release (m4-R, m5-R, m6-R).
 
 Inner marks: the 8-bit decode GEMVs (matmul.cu, matmul_swiglu.cu) 4 = their weight rows in
-shared memory, 5 = the dot products done; qkv_attention.cu 4 = x normalised, 5 = the rows
-exchanged in the cluster, 6 = the attention's partials done.
+shared memory (the lm_head's four-row kernel's too), 5 = the dot products done; qkv_attention.cu
+4 = x normalised, 5 = the rows exchanged in the cluster, 6 = the attention's partials done.
 
 Each translation unit keeps the last 2^19 blocks it launched: at 0.5B, matmul.cu's ~60k a step (the lm_head alone
 38k) fill that in ~9 steps, so the kernels report takes the last 8. (2^20 failed to link on the H100 machine.)
@@ -95,7 +95,7 @@ static int qc_st_registered_ = qc_st_register(qc_st_dump_tu);
 
 INNER = [
     # (file, text, text with the mark after it, occurrences)
-    ("kernels/matmul.cu", "    if constexpr (SH) qc_copy_wait();\n", "    if constexpr (SH) qc_copy_wait();\n    qc_st_mark(4);\n", 2),
+    ("kernels/matmul.cu", "    if constexpr (SH) qc_copy_wait();\n", "    if constexpr (SH) qc_copy_wait();\n    qc_st_mark(4);\n", 3),
     ("kernels/matmul.cu", "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n",
      "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n    qc_st_mark(5);\n", 1),
     ("kernels/matmul.cu", "    if (S > 1) {", "    qc_st_mark(5);\n    if (S > 1) {", 1),
