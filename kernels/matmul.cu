@@ -155,11 +155,15 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * bit-identical. Eight warps a block, in a second lease: 1955-1959 tok/s at 512 keys against
  * 1947-1957 for four and 1924-1943 off.
  * SH (cu->w_shared, where the block's rows fit QC_SHARED_COPY_MAX): the block first copies its
- * rows into shared memory (qc_copy_to_shared: 16-byte pieces, coalesced) and its warps read them
- * there, the same bytes. Why: read from global memory, each lane loads its 34-byte Q8_0 blocks
- * (22 for Q5_0) a 32-bit word at a time, so a warp's load touches a sector per lane, and the
- * lm_head stayed at 2.8-2.9 TB/s on the H100 and the H200 alike (50.1 us of a real-file step on the
- * H200, 58% of its 4.8 TB/s; bench/results/20261201-2bcb4b0-*). */
+ * rows into shared memory (qc_copy_to_shared: coalesced 16-byte pieces) and its warps read them
+ * there, the same bytes, where from global memory a lane loads its 22-byte Q5_0 or 34-byte Q8_0
+ * blocks a 32-bit word at a time. Measured (H200, bench/results/20261201-3112744-*, addendum):
+ * the synthetic 0.5B's decode (a Q5_0 lm_head) 2115.0, 2116.9 -> 2145.2, 2148.7 tok/s at 512
+ * keys in one lease, the real file's (Q8_0) 2077.6-2095.4 -> 2090.9-2097.1, within its noise.
+ * The Q8_0 lm_head stayed at 2.8 TB/s, 58% of the H200's bound, either way: ncu found L2 87%
+ * busy, and 3.68M sectors written to L2 for 4.52M read, about 96 bytes a thread, what the
+ * kernel's 48-byte stack frame then took (qc_gemv_q8_rows_upto4's run-time row index, since
+ * unrolled: not yet timed). */
 #define QC_GEMV_ROWS4 4
 #define QC_ROWS4_WARPS 8                /* warps a block: 32 rows */
 #define QC_ROWS4_ROWS (QC_ROWS4_WARPS * QC_GEMV_ROWS4)

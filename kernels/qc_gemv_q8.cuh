@@ -420,8 +420,9 @@ __device__ __forceinline__ void qc_gemv_q8_rows_upto4(const uint8_t *const (&row
         qc_gemv_q8_row4<T, SH>(row, cols, x, lane, acc);
         return;
     }
-    /* unrolled: row[k] and acc[k] at constant k stay in registers (a run-time k put both arrays
-     * in a stack frame, whose stores reached L2: see qc_gemv_q8_rows4_kernel) */
+    /* unrolled: row[k] and acc[k] at constant k stay in registers; a run-time k put both arrays
+     * in a 48-byte stack frame, and ncu counted about twice that a thread in L2's writes
+     * (matmul.cu, qc_gemv_q8_rows4_kernel) */
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         if (k >= nr) break;
