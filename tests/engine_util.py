@@ -1,10 +1,11 @@
 """Helpers shared by the engine tests (test_model, test_session, test_engine_vs_reference,
 test_real_model_engine): synthetic model files cached per test run, error measures, a
-trace-vs-trace comparison that names the first tensor out of tolerance, and the CUDA kernels a
-call ran."""
+trace-vs-trace comparison that names the first tensor out of tolerance, the CUDA kernels a
+call ran, and nvcc on a kernel file."""
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 
 import numpy as np
@@ -141,3 +142,21 @@ def cuda_kernel_ran(fn, kernel):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
     return any(kernel in e.name for e in prof.events())
+
+
+def nvcc_path():
+    """The nvcc that setup.py finds (CUDA_HOME, CUDA_PATH, /usr/local/cuda, then PATH), or None."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    for c in (os.path.join(home, "bin", "nvcc"), shutil.which("nvcc")):
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def nvcc_compile(root, source, out, *flags):
+    """nvcc -c of root/kernels/<source> into out for sm_90, with setup.py's language flags and
+    include paths and the given ones (optimisation, ptxas's report); the CompletedProcess."""
+    return subprocess.run([nvcc_path(), "-c", os.path.join(root, "kernels", source), "-o", str(out), "-std=c++17",
+                           "-I", os.path.join(root, "csrc", "engine"), "-I", os.path.join(root, "kernels"),
+                           "--expt-relaxed-constexpr", "-DQC_HAVE_CUDA=1", "-arch=sm_90", *flags],
+                          capture_output=True, text=True)

@@ -1,10 +1,8 @@
 """scripts/step_stamps.py: its patch applies to the kernels as they are and compiles, and its
 reports read a dump correctly (a synthetic one with known times)."""
-import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import step_stamps  # noqa: E402
+from engine_util import nvcc_compile, nvcc_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +57,11 @@ def test_decode_runs_the_bench_round(tmp_path):
     step_stamps.decode(str(path), 3, device="cpu")
 
 
-def _nvcc():
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    for c in (os.path.join(home, "bin", "nvcc"), shutil.which("nvcc")):
-        if c and os.path.exists(c):
-            return c
-    return None
-
-
-@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc")
+@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
 def test_patched_kernels_compile(patched, tmp_path):
     # the gate/up kernels (guards, the wait's marks, the inner marks) and the backend (the dump)
     for name in ("matmul_swiglu.cu", "cuda_backend.cu"):
-        r = subprocess.run([_nvcc(), "-c", str(patched / "kernels" / name), "-o", str(tmp_path / (name + ".o")),
-                            "-std=c++17", "-I", str(patched / "csrc/engine"), "-I", str(patched / "kernels"),
-                            "--expt-relaxed-constexpr", "-DQC_HAVE_CUDA=1", "-O1", "-arch=sm_90"],
-                           capture_output=True, text=True)
+        r = nvcc_compile(str(patched), name, tmp_path / (name + ".o"), "-O1")
         assert r.returncode == 0, r.stderr[-3000:]
 
 
