@@ -1,5 +1,5 @@
 """Helpers shared by the engine tests (test_model, test_session, test_engine_vs_reference,
-test_real_model_engine): synthetic model files cached per test run, error measures, a
+test_real_model_engine; nvcc for test_step_stamps and test_kernel_resources): synthetic model files cached per test run, error measures, a
 trace-vs-trace comparison that names the first tensor out of tolerance, the CUDA kernels a
 call ran, and nvcc on a kernel file."""
 import atexit
@@ -145,9 +145,9 @@ def cuda_kernel_ran(fn, kernel):
 
 
 def nvcc_path():
-    """The nvcc that setup.py finds (CUDA_HOME, CUDA_PATH, /usr/local/cuda, then PATH), or None."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    for c in (os.path.join(home, "bin", "nvcc"), shutil.which("nvcc")):
+    """The nvcc that setup.py's find_cuda takes (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda), or None."""
+    homes = [os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH")]
+    for c in [os.path.join(h, "bin", "nvcc") for h in homes if h] + [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]:
         if c and os.path.exists(c):
             return c
     return None

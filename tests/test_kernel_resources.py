@@ -5,11 +5,11 @@ four-row kernel kept its four row pointers and sums there (qc_gemv_q8_rows_upto4
 run-time row), and ncu counted 3.68M sectors written to L2 by one lm_head of the 0.5B (118 MB, about
 97 bytes a thread, for 0.6 MB of logits) while L2 was 87% busy and DRAM at 59% (H200;
 bench/results/20261201-3112744-*, addendum). These tests compile the files of the one-token decode
-kernels for sm_90 as setup.py does, keeping the PTX and ptxas's report, and require of each kernel no
-ld.local or st.local in its own body and 0 bytes of spills. A stack frame alone is allowed: the
-qkv_attention kernel has one of 40 bytes for a function it calls only on a cold path (the double
-sincos's slow argument reduction, for angles past any RoPE position). They need only nvcc (CI has
-it), no GPU.
+kernels for sm_90 with setup.py's language flags and -O3, keeping the PTX and ptxas's report, and
+require of each kernel no ld.local or st.local in its own body and 0 bytes of spills. A stack frame
+alone is allowed: the qkv_attention kernel has one of 40 bytes for a function it calls only for
+|angle| >= 2^31 (the double sincos's slow argument reduction; a RoPE angle is at most its position).
+They need only nvcc (CI has it), no GPU.
 """
 import os
 import re
