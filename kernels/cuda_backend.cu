@@ -316,6 +316,8 @@ static void cu_destroy(qc_backend *be) {
             if (cu->dec_sync) cudaFree(cu->dec_sync);
             if (cu->sample_part) cudaFree(cu->sample_part);
             if (cu->sample_done) cudaFree(cu->sample_done);
+            if (cu->draw_best) cudaFree(cu->draw_best);
+            if (cu->draw_done) cudaFree(cu->draw_done);
             if (cu->ahead_host) {
                 for (int i = 0; i < QC_DOWNLOAD_TICKETS; i++) cudaEventDestroy(cu->ahead_copied[i]);
                 cudaFreeHost(cu->ahead_host);
@@ -366,6 +368,8 @@ static qc_backend_ops make_cuda_ops(void) {
     ops.replay = cu_replay;
     ops.recording_free = cu_recording_free;
     ops.feed_draw = on_device<int(qc_backend *, const void *, void *, int32_t *, int32_t *, int64_t)>::run<qc_cuda_feed_draw>;
+    ops.matmul_draw = on_device<int(qc_backend *, const qc_weight *, const float *, float *, const void *, void *,
+                                    int32_t *, int32_t *)>::run<qc_cuda_matmul_draw>;
     ops.download_start = cu_download_start;
     ops.download_finish = cu_download_finish;
     ops.decode_step_takes = cu_decode_step_takes;
@@ -435,6 +439,10 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->sample_part, QC_SAMPLE_BLOCKS * sizeof(int2)));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->sample_done, sizeof(unsigned int)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->sample_done, 0, sizeof(unsigned int), cu->stream));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->draw_best, sizeof(unsigned long long)));
+    QC_CREATE_CHECK(cudaMemsetAsync(cu->draw_best, 0, sizeof(unsigned long long), cu->stream));
+    QC_CREATE_CHECK(cudaMalloc((void **)&cu->draw_done, sizeof(unsigned int)));
+    QC_CREATE_CHECK(cudaMemsetAsync(cu->draw_done, 0, sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
     static_assert(QC_GEMV_MAX_TOKENS >= 3, "q8x holds three one-token regions");
     cu->q8x_act = (char *)cu->q8x + qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
@@ -467,9 +475,10 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
          * weight copies to shared memory (qc_copy_to_shared), and the attention's keys loaded
          * before its wait (attention.cu, QC_ATT_HELD), and read_ahead's hints (matmul.cu), and
          * qkv_attention's one launch (qkv_attention.cu), and the lm_head's four rows a warp
-         * (matmul.cu): QWENCUDA_PDL=0, QWENCUDA_CLUSTERS=0, QWENCUDA_WEIGHTS_SHARED=0,
-         * QWENCUDA_ATTENTION_HOLD=0, QWENCUDA_READ_AHEAD=0, QWENCUDA_QKV_ATTENTION=0 and
-         * QWENCUDA_GEMV_ROWS4=0 turn them off; QWENCUDA_COPY_KERNEL=0 copies download_start's
+         * (matmul.cu), and the greedy draw inside it (matmul_draw): QWENCUDA_PDL=0,
+         * QWENCUDA_CLUSTERS=0, QWENCUDA_WEIGHTS_SHARED=0, QWENCUDA_ATTENTION_HOLD=0,
+         * QWENCUDA_READ_AHEAD=0, QWENCUDA_QKV_ATTENTION=0, QWENCUDA_GEMV_ROWS4=0 and
+         * QWENCUDA_HEAD_DRAW=0 turn them off; QWENCUDA_COPY_KERNEL=0 copies download_start's
          * bytes with cudaMemcpyAsync instead of a kernel */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
@@ -478,6 +487,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->read_ahead = env_on("QWENCUDA_READ_AHEAD");
         cu->qkv_attention = env_on("QWENCUDA_QKV_ATTENTION");
         cu->gemv_rows4 = env_on("QWENCUDA_GEMV_ROWS4");
+        cu->head_draw = env_on("QWENCUDA_HEAD_DRAW");
         cu->copy_kernel = env_on("QWENCUDA_COPY_KERNEL");
     }
     if (qc_cuda_flash_attention_init(be) < 0) {

@@ -21,6 +21,7 @@
  */
 #include "qc_gemv.cuh"
 #include "qc_gemv_q8.cuh"
+#include "sampler.h"
 
 #include <cuda_fp16.h>
 
@@ -167,12 +168,74 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
 #define QC_GEMV_ROWS4 4
 #define QC_ROWS4_WARPS 8                /* warps a block: 32 rows */
 #define QC_ROWS4_ROWS (QC_ROWS4_WARPS * QC_GEMV_ROWS4)
+
+/* matmul_draw (backend.h): the four-row kernel's blocks make the greedy draw over the logits
+ * they write (DRAW). A block's best (value, first id) becomes one 64-bit key (qc_draw_key), an
+ * atomicMax of the block's into `best`; the last block to finish (`done`) takes the winner,
+ * writes the draw, feeds the next step as feed_draw would (ids, pos), and leaves both words 0
+ * for the next launch. Why: after the lm_head, the sample kernel's pass over the logits and
+ * feed_draw's launch held the next step back 15 us of a 480 us step (H200, real file, loop
+ * profile of report 3112744: qc_sample_kernel started 15.5 us before the next step's first
+ * kernel, feed_draw 10.8). */
+struct qc_head_draw {
+    unsigned long long *best;          /* cu->draw_best */
+    unsigned int *done;                /* cu->draw_done */
+    const qc_sample_state *state;      /* its RNG goes into the result (a greedy draw draws none) */
+    qc_sample_result *result;
+    int32_t *ids, *pos;                /* the next step's token and position, or NULL: no feed */
+};
+
+/* (value, id) -> a key whose unsigned order is qc_sample_better's (sample.cu): the larger value,
+ * then the smaller id; -0 as +0; NaN (never chosen) 0, below every key of a number. */
+__device__ __forceinline__ unsigned long long qc_draw_key(float v, int64_t id) {
+    if (v != v) return 0ull;
+    unsigned u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) == 0) u = 0;                          /* -0 */
+    const unsigned order = u & 0x80000000u ? ~u : u | 0x80000000u;   /* floats in unsigned order */
+    return (unsigned long long)order << 32 | (unsigned)~(unsigned)id;
+}
+/* The token of the largest key: -1 where it is 0 or -inf's (sample's "nothing can be chosen"). */
+__device__ __forceinline__ int32_t qc_draw_token(unsigned long long key) {
+    const unsigned order_of_minus_inf = ~0xff800000u;
+    return (unsigned)(key >> 32) <= order_of_minus_inf ? -1 : (int32_t)~(unsigned)key;
+}
+
+/* Every thread of the block, once, with its key (0: no logit). */
+__device__ __forceinline__ void qc_head_draw_block(const qc_head_draw &d, unsigned long long key) {
+    __shared__ unsigned long long warp_best[QC_ROWS4_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
+        key = other > key ? other : key;
+    }
+    if (lane == 0) warp_best[warp] = key;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int w = 1; w < QC_ROWS4_WARPS; w++) key = warp_best[w] > key ? warp_best[w] : key;
+    if (key) atomicMax(d.best, key);
+    __threadfence();   /* the block's key is in best before the block is counted */
+    if (atomicAdd(d.done, 1u) != gridDim.x - 1) return;
+    __threadfence();
+    const int32_t token = qc_draw_token(atomicExch(d.best, 0ull));
+    *d.done = 0;
+    d.result->token = token;
+    d.result->rng = d.state->rng;
+    d.result->pad = 0;
+    if (d.ids) {   /* feed_draw's stores (sample.cu): the drawn id is below gridDim's rows */
+        d.ids[0] = token >= 0 ? token : 0;
+        d.pos[0] += 1;
+    }
+}
+
 /* The 32-element types only (registers: at most 64 a thread, four blocks an SM); Q6_K's four rows
  * spilled even under 128 registers. */
-template <int T, bool SH>
+template <int T, bool SH, bool DRAW>
 __global__ void __launch_bounds__(32 * QC_ROWS4_WARPS, 32 / QC_ROWS4_WARPS)
 qc_gemv_q8_rows4_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols, const qc_q8x xq,
-                        const float *__restrict__ bias, const float *residual, float *out, const qc_l2_ahead ahead) {
+                        const float *__restrict__ bias, const float *residual, float *out, const qc_l2_ahead ahead,
+                        const qc_head_draw draw) {
     extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t block_r0 = (int64_t)blockIdx.x * QC_ROWS4_ROWS;
@@ -191,16 +254,21 @@ qc_gemv_q8_rows4_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_
     qc_l2_ahead_issue(ahead);
     qc_grid_start();
     if constexpr (SH) qc_copy_wait();
-    if (nr < 1) return;   /* whole warps leave together */
-    const float res = residual && lane < nr ? residual[r0 + lane] : 0.0f;
-    const uint8_t *const mine = W_rows + (r0 - block_r0) * row_bytes;
-    const uint8_t *const four[4] = {mine, mine + row_bytes, mine + 2 * row_bytes, mine + 3 * row_bytes};   /* (those past nr not read) */
-    float acc[QC_GEMV_ROWS4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    qc_gemv_q8_rows_upto4<T, SH>(four, nr, cols, xq, lane, acc);
-    if (lane >= nr) return;
-    const float a = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
-    const float v = bias ? a + b_r : a;
-    out[r0 + lane] = residual ? res + v : v;
+    if (!DRAW && nr < 1) return;   /* whole warps leave together (DRAW: all reach the draw's barrier) */
+    unsigned long long key = 0;     /* DRAW: this lane's logit's (qc_draw_key) */
+    if (nr >= 1) {
+        const float res = residual && lane < nr ? residual[r0 + lane] : 0.0f;
+        const uint8_t *const mine = W_rows + (r0 - block_r0) * row_bytes;
+        const uint8_t *const four[4] = {mine, mine + row_bytes, mine + 2 * row_bytes, mine + 3 * row_bytes};   /* (those past nr not read) */
+        float acc[QC_GEMV_ROWS4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        qc_gemv_q8_rows_upto4<T, SH>(four, nr, cols, xq, lane, acc);
+        const float a = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
+        const float v = bias ? a + b_r : a;
+        const float logit = residual ? res + v : v;
+        if (lane < nr) out[r0 + lane] = logit;
+        if (DRAW && lane < nr) key = qc_draw_key(logit, r0 + lane);
+    }
+    if constexpr (DRAW) qc_head_draw_block(draw, key);
 }
 
 /* x[n][cols] to 8 bits: one warp per block of 32 (qc_q8_quantize_block). */
@@ -267,10 +335,19 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
 }
 
+/* Whether a one-token GEMV of w's rows (a type of 32-element units, no split) takes the four-row
+ * kernel: more rows than one wave of qc_gemv_kernel's blocks (the lm_head), and no next kernel
+ * to launch early. */
+static bool rows4_takes(const qc_weight *w, int n, int launch_next, const qc_cuda *cu) {
+    const int64_t blocks = (w->rows + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS;
+    return n == 1 && cu->gemv_rows4 && blocks > (int64_t)QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count && !launch_next;
+}
+
+/* draw: matmul_draw's (the four-row kernel's DRAW), or NULL. */
 template <int T, int S, bool Q8>
 static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
                           int n, const float *residual, float *out, const qc_l2_ahead &ahead, int launch_next,
-                          const qc_cuda *cu) {
+                          const qc_head_draw *draw, const qc_cuda *cu) {
     const int64_t rb = qc_row_bytes_t<T>(w->cols);
     const int64_t rows_per_block = QC_GEMV_WARPS / S;
     const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
@@ -287,14 +364,15 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
         }
         /* one token, many waves of rows of a warp each (the lm_head): four rows a warp */
         if constexpr (S == 1 && qc_q8_unit<T>::UNIT == 32) {
-            if (n == 1 && cu->gemv_rows4 && !one_wave && !launch_next) {
+            if (rows4_takes(w, n, launch_next, cu)) {
                 const dim3 grid4((unsigned)((w->rows + QC_ROWS4_ROWS - 1) / QC_ROWS4_ROWS)), block4(32 * QC_ROWS4_WARPS);
                 const size_t shared4 = qc_shared_copy_bytes(QC_ROWS4_ROWS * rb);
-#define QC_ARGS4_ W, rb, w->rows, w->cols, xq, bias, residual, out, ahead
-                if (cu->w_shared && shared4 <= QC_SHARED_COPY_MAX)
-                    qc_launch(cu, qc_gemv_q8_rows4_kernel<T, true>, grid4, block4, shared4, QC_ARGS4_);
-                else
-                    qc_launch(cu, qc_gemv_q8_rows4_kernel<T, false>, grid4, block4, 0, QC_ARGS4_);
+                const bool sh = cu->w_shared && shared4 <= QC_SHARED_COPY_MAX;
+#define QC_ARGS4_ W, rb, w->rows, w->cols, xq, bias, residual, out, ahead, draw ? *draw : qc_head_draw{}
+                if (draw && sh) qc_launch(cu, qc_gemv_q8_rows4_kernel<T, true, true>, grid4, block4, shared4, QC_ARGS4_);
+                else if (draw) qc_launch(cu, qc_gemv_q8_rows4_kernel<T, false, true>, grid4, block4, 0, QC_ARGS4_);
+                else if (sh) qc_launch(cu, qc_gemv_q8_rows4_kernel<T, true, false>, grid4, block4, shared4, QC_ARGS4_);
+                else qc_launch(cu, qc_gemv_q8_rows4_kernel<T, false, false>, grid4, block4, 0, QC_ARGS4_);
 #undef QC_ARGS4_
                 return;
             }
@@ -313,11 +391,11 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
 template <int T, bool Q8>
 static void launch_gemv(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq, int n,
                         const float *residual, float *out, const qc_l2_ahead &ahead, int launch_next,
-                        const qc_cuda *cu) {
+                        const qc_head_draw *draw, const qc_cuda *cu) {
     if (qc_gemv_split(w->cols) > 1)
-        launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, ahead, launch_next, cu);
+        launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, ahead, launch_next, draw, cu);
     else
-        launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, ahead, launch_next, cu);
+        launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, ahead, launch_next, draw, cu);
 }
 
 /* out[n][rows] (ldc = rows, starting at row r0) = X[n][cols] @ A^T for A (m, cols); with
@@ -416,7 +494,8 @@ static void launch_add_norm(const qc_weight *w, const qc_q8x &xq, const float *r
  * have left (cu->q8x_of, laid out at cu->q8x_of_at): then the GEMV reads it there, with no
  * quantize launch. */
 static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
-                      const float *residual, float *out, int x_from_last_op, const float *norm_next) {
+                      const float *residual, float *out, int x_from_last_op, const float *norm_next,
+                      const qc_head_draw *draw) {
     qc_cuda *cu = qc_cuda_of(be);
     cu->norm_of = NULL;   /* out may be that row; this call leaves a new one or none */
     /* read_ahead's hint is this call's to take (the GEMV's blocks issue it), and only this call's */
@@ -463,14 +542,14 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
             return 0;
         }
         switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, ahead, launch_next, cu); break;
+#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, ahead, launch_next, draw, cu); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
         }
         return QC_LAUNCHED(be, "qc_gemv_kernel");
     }
     switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, ahead, 0, cu); break;
+#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, ahead, 0, NULL, cu); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }
@@ -479,10 +558,32 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
 
 int qc_cuda_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
                    float *out) {
-    return matmul_any(be, w, bias, x, n, NULL, out, 0, NULL);
+    return matmul_any(be, w, bias, x, n, NULL, out, 0, NULL, NULL);
 }
 
 int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
                        const float *residual, float *out, int x_from_last_op, const float *norm_next) {
-    return matmul_any(be, w, NULL, x, n, residual, out, x_from_last_op, norm_next);
+    return matmul_any(be, w, NULL, x, n, residual, out, x_from_last_op, norm_next, NULL);
+}
+
+/* matmul_draw (backend.h): the four-row kernel with its draw (qc_head_draw), where it takes w. */
+static bool unit_of_32(uint32_t type) {
+    switch (type) {
+#define QC_CASE_(T) case T: return qc_q8_unit<T>::UNIT == 32;
+        QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+    }
+    return false;
+}
+
+int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, float *logits, const void *state,
+                        void *result, int32_t *ids, int32_t *pos) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (!cu->head_draw || !qc_cuda_type_supported(w->type) || !qc_cuda_gemv_q8(be, w->type, w->cols) ||
+        !unit_of_32(w->type) || qc_gemv_split(w->cols) != 1 || !rows4_takes(w, 1, 0, cu) || w->rows > INT32_MAX)
+        return 0;
+    const qc_head_draw draw = {cu->draw_best, cu->draw_done, (const qc_sample_state *)state,
+                               (qc_sample_result *)result, ids, pos};
+    if (ids) qc_cuda_forget_rope(cu);   /* it moves the position (feed_draw) */
+    return matmul_any(be, w, NULL, x, 1, NULL, logits, 0, NULL, &draw) < 0 ? -1 : 1;
 }

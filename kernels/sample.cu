@@ -415,8 +415,7 @@ qc_sample_kernel(const float *__restrict__ logits, int n, const qc_sample_state 
     const int32_t *history = (const int32_t *)(st + 1);   /* qc_sample_history, on the device */
 
     /* greedy without a penalty: every block (qc_sample_greedy); anything else: block 0 alone */
-    const bool plain_greedy = temperature <= 0.0f && (penalty == 1.0f || n_history <= 0);
-    if (plain_greedy) {
+    if (qc_sample_plain_greedy(st)) {
         qc_sample_greedy(logits, n, st, result, part, done, sh_v, sh_i);
         return;
     }

@@ -54,7 +54,7 @@ def compile_report(source, tmp_path):
 
 # (file, the mangled names of its one-token decode kernels, how many instantiations at least)
 DECODE_KERNELS = [
-    ("matmul.cu", r"_Z23qc_gemv_q8_rows4_kernel", 6),           # the lm_head: three types, SH or not
+    ("matmul.cu", r"_Z23qc_gemv_q8_rows4_kernel", 12),          # the lm_head: three types, SH or not, DRAW or not
     ("matmul.cu", r"_Z26qc_gemv_q8_add_norm_kernel", 6),        # the o projection
     ("matmul.cu", r"_Z14qc_gemv_kernelILi\d+ELi1E", 20),        # one token: the down projection, q/k/v
     ("matmul_swiglu.cu", r"_Z30qc_gemv_q8_swiglu_q8out_kernel", 6),   # gate/up

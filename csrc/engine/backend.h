@@ -251,6 +251,15 @@ typedef struct qc_backend_ops {
      * is good until QC_DOWNLOAD_TICKETS more copies have started. */
     int (*feed_draw)(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
                      int64_t n_vocab);
+    /* matmul_draw: the lm_head of one row and its greedy draw in one pass, for a state that
+     * draws greedily without a penalty (qc_sample_plain_greedy): logits = x @ w^T (matmul, no
+     * bias) and result = what sample leaves over them (the first largest logit, NaN never
+     * chosen, -1 when every logit is NaN or -inf; the state's RNG), the same logits and result.
+     * With ids and pos (not NULL) it then does what feed_draw does with that result. Returns 1
+     * when it ran, 0 where it does not serve w (nothing queued: the caller runs matmul, sample
+     * and feed_draw), -1 on error. */
+    int (*matmul_draw)(qc_backend *be, const qc_weight *w, const float *x, float *logits, const void *state,
+                       void *result, int32_t *ids, int32_t *pos);
     int (*download_start)(qc_backend *be, const void *src, size_t bytes, int *ticket);
     int (*download_finish)(qc_backend *be, int ticket, void *host_dst, size_t bytes);
 

@@ -53,6 +53,16 @@ static inline const int32_t *qc_sample_history(const qc_sample_state *st) {
     return (const int32_t *)(st + 1);
 }
 
+/* Whether a draw by st is the first largest logit, with nothing to apply to the logits first
+ * (greedy, and no penalty or no history): the draw that matmul_draw makes (backend.h), and
+ * the one the sample kernel splits between its blocks (sample.cu, on the device). */
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+static inline int qc_sample_plain_greedy(const qc_sample_state *st) {
+    return st->temperature <= 0.0f && (st->repeat_penalty == 1.0f || st->n_history <= 0);
+}
+
 /* Scratch bytes qc_sample_row needs for n_vocab logits (the sample op's `work`, too). */
 size_t qc_sample_work_bytes(int64_t n_vocab);
 /* One draw from logits[n_vocab] (not modified) -> the token, or -1 when every logit is NaN or

@@ -75,6 +75,8 @@ const char *qc_capture_layer_name(int i) { return i >= 0 && i < L_N_NAMES ? laye
 #define QC_INITIAL_ROWS 32
 /* lm_head rows computed at once: bounds the backend's logits buffer (512 x 151936 floats). */
 #define QC_HEAD_ROWS 512
+/* the kinds of recorded decode step (rec_kind) */
+#define QC_REC_KINDS 4
 /* Captures and logits below this many bytes fit whatever the default budget (half of the
  * available memory) is. */
 #define QC_BUDGET_UNCHECKED ((size_t)64 << 20)
@@ -160,9 +162,8 @@ struct qc_session {
     int32_t *amax;            /* (logit_rows) */
     int logit_rows;
     qc_attn_rows ar;
-    void *decode_rec[2][3];   /* the recorded decode step (backend replay), or NULL, per
-                                 qc_kv_bucket of its keys: [0] with the argmax, [1] with a draw,
-                                 [2] with both */
+    void *decode_rec[2][QC_REC_KINDS];   /* the recorded decode step (backend replay), or NULL,
+                                 per qc_kv_bucket of its keys and rec_kind */
     /* sampling on the backend (an eval with a sampler), allocated at the first such eval */
     void *sample_state;       /* (sample_state_cap) qc_sample_state and its token ids */
     size_t sample_state_cap;
@@ -184,6 +185,9 @@ typedef struct {
     int head_rows;            /* lm_head rows handed back: n (all_logits) or 1 */
     int want_head;            /* run the output norm and the lm_head at all */
     int do_argmax, do_sample;
+    int head_draw;            /* the draw is the lm_head's (matmul_draw): greedy without a penalty,
+                                 on a backend that has it, no patch of the logits before it */
+    int feeds;                /* the step ends by feeding its draw to the next (qc_ahead) */
     int defer_download;       /* the recorded decode step: logits are downloaded after replay */
     int one_launch;           /* the step's layers and lm_head in one decode_step launch */
     int n_captured;
@@ -713,7 +717,7 @@ static void drop_recording(qc_session *s) {
     if (s->ahead.queued && s->be->ops->synchronize(s->be) < 0) s->be->err.kind = QC_OK;
     s->ahead.valid = s->ahead.queued = 0;
     for (int b = 0; b < 2; b++) {
-        for (int i = 0; i < 3; i++) {
+        for (int i = 0; i < QC_REC_KINDS; i++) {
             if (s->decode_rec[b][i]) s->be->ops->recording_free(s->be, s->decode_rec[b][i]);
             s->decode_rec[b][i] = NULL;
         }
@@ -1291,18 +1295,28 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
     for (int b = r0; b < nc; b += p->head_block) {
         const int rows = nc - b < p->head_block ? nc - b : p->head_block;
         const int out_row = out_row0 + (b - r0);
-        /* lm_head: logits = xn @ output^T (output.weight, or token_embd when tied) */
-        if (!p->one_launch) OP(op->matmul(be, &m->output, NULL, sc->xn + (size_t)b * dim, rows, s->logits));
+        /* the eval's draw is from this block's last row */
+        const int draws = p->do_sample && last_chunk && b + rows == nc;
+        /* lm_head: logits = xn @ output^T (output.weight, or token_embd when tied); a greedy
+         * draw of one row may be the lm_head's own (drawn: it also fed the step after) */
+        int drawn = 0;
+        if (!p->one_launch && draws && rows == 1 && p->head_draw)
+            OP(drawn = op->matmul_draw(be, &m->output, sc->xn + (size_t)b * dim, s->logits, s->sample_state,
+                                       s->sample_result, p->feeds ? sc->ids : NULL, p->feeds ? sc->pos : NULL));
+        if (!p->one_launch && !drawn) OP(op->matmul(be, &m->output, NULL, sc->xn + (size_t)b * dim, rows, s->logits));
         CAPTURE(observe(s, p, CAP_LOGITS, s->logits, out_row, rows, vocab, err));
         /* argmax: the first largest logit of each row */
         if (p->do_argmax) {
             OP(op->argmax(be, s->logits, rows, vocab, s->amax));
             CAPTURE(capture_rows(s, p, s->slot[CAP_ARGMAX], s->amax, out_row, rows, 1, err));
         }
-        /* a draw from the eval's last row, by the sampler state uploaded for this eval */
-        if (p->do_sample && last_chunk && b + rows == nc)
+        /* a draw from the eval's last row, by the sampler state uploaded for this eval; a step of
+         * a pipelined loop ends by feeding it to the next (qc_ahead) */
+        if (draws && !drawn) {
             OP(op->sample(be, s->logits + (size_t)(rows - 1) * (size_t)vocab, vocab, s->sample_state,
                           s->sample_work, s->sample_result));
+            if (p->feeds) OP(op->feed_draw(be, s->sample_result, s->sample_state, sc->ids, sc->pos, vocab));
+        }
         /* to the caller, unless this is the recorded decode step (downloaded after its replay) */
         if (p->res->logits && !p->defer_download) {
             OP(op->download(be, p->res->logits + (size_t)out_row * (size_t)vocab, s->logits,
@@ -1355,14 +1369,18 @@ static int upload_chunk(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
 }
 
 /* The recording a replayed one-token step over n_kv keys uses:
- * decode_rec[qc_kv_bucket(n_kv)][rec_kind]. */
-static int rec_kind(const eval_plan *p) { return p->do_sample ? 1 + p->do_argmax : 0; }
+ * decode_rec[qc_kv_bucket(n_kv)][rec_kind]: 0 the argmax, 1 a draw, 2 both, 3 the lm_head's
+ * draw (it is recorded for greedy states only: a replay reads the state uploaded before it). */
+static int rec_kind(const eval_plan *p) {
+    if (!p->do_sample) return 0;
+    return p->do_argmax ? 2 : p->head_draw ? 3 : 1;
+}
 
 /* Whether a replayed step (p) is a pipelined one (qc_ahead): it draws on the backend and hands
- * back nothing else (its recording, kind 1, is only ever used so), on a backend that can feed
- * the draw to the next step. */
+ * back nothing else (its recording, kind 1 or 3, is only ever used so), on a backend that can
+ * feed the draw to the next step. */
 static int ahead_feeds(const qc_session *s, const eval_plan *p) {
-    return p->do_sample && !p->req->want_logits && rec_kind(p) == 1 && s->be->ops->feed_draw && !s->no_ahead;
+    return p->do_sample && !p->req->want_logits && !p->do_argmax && s->be->ops->feed_draw && !s->no_ahead;
 }
 
 /* A decode step (one token, nothing captured) on a backend that can record: the ops are recorded
@@ -1379,11 +1397,8 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
             s->record_failed = 1;
             return 0;
         }
-        int ran = forward_chunk(s, p, 0, 1, err);
-        /* a step of a pipelined loop ends by feeding its draw to the next (qc_ahead) */
-        if (ran >= 0 && ahead_feeds(s, p) &&
-            op->feed_draw(be, s->sample_result, s->sample_state, s->sc.ids, s->sc.pos, s->m->cfg.n_vocab) < 0)
-            ran = qc_fail(err, be->err.kind, "%s", be->err.msg);
+        /* (a step of a pipelined loop ends by feeding its draw to the next: p->feeds) */
+        const int ran = forward_chunk(s, p, 0, 1, err);
         if (op->record_end(be, &rec) < 0 || ran < 0) {
             /* not recordable on this backend after all: op by op from now on, unless the step
              * fails op by op too (then the eval's own error, not the recording, was at fault) */
@@ -1460,6 +1475,8 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
                            !s->no_graphs && !s->record_failed;
     p->defer_download = replayable;
     p->do_argmax = (replayable && !p->do_sample) || req->want_logits || s->slot[CAP_ARGMAX] >= 0;
+    p->head_draw = p->do_sample && !p->do_argmax && !s->patched[CAP_LOGITS] && op->matmul_draw &&
+                   qc_sample_plain_greedy(req->sample);
 
     const size_t sample_bytes = p->do_sample ? sizeof *req->sample + (size_t)req->sample->n_history * sizeof(int32_t) : 0;
     /* a patch sees its whole tensor: one forward pass */
@@ -1471,6 +1488,7 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     /* a replayed step that draws on the backend and hands back only its draw: the step after it
      * may run ahead (qc_ahead); this one may be running already */
     const int pipelined = replayable && ahead_feeds(s, p);
+    p->feeds = pipelined;
     const int met = pipelined && ahead_met(s, p, req, sample_bytes);
     const int queued = met && s->ahead.queued;
     s->ahead.queued = 0;
@@ -1497,6 +1515,7 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
         if (upload_chunk(s, p, 0, 1, err) < 0) return -1;
         const int replayed = decode_replayed(s, p, err);
         if (replayed < 0) return -1;
+        p->feeds = 0;   /* the step op by op, if not replayed: its inputs are uploaded next time */
         if (!replayed && forward_chunk(s, p, 0, 1, err) < 0) {
             s->record_failed = 0;   /* the step itself failed: a later one may record */
             return -1;

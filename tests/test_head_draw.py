@@ -1,0 +1,170 @@
+"""The greedy draw inside the lm_head (backend.h's matmul_draw; kernels/matmul.cu, qc_head_draw).
+
+A decode step that draws greedily without a penalty runs its lm_head's four-row kernel with the
+draw in it: each block's best logit goes into one 64-bit key, and the last block writes the draw
+and feeds the next step (ids, pos) as feed_draw does, where the step otherwise ran the lm_head, the
+sample kernel and feed_draw. These tests hold it to what it replaces:
+  - the op itself (_core._kernel_matmul_draw) on weights built so that the answer is known: the
+    logits bit for bit those of the matmul op, the token the first largest logit by NumPy's rule
+    and the sample op's, ties across blocks and inside a warp going to the first id, NaN rows never
+    chosen, every row NaN drawing -1, the feed's id and position;
+  - a session's generation loop against one whose backend was made with QWENCUDA_HEAD_DRAW=0 (the
+    lm_head, then sample, then feed_draw): the same tokens and positions, with the profiler seeing
+    the drawing kernel run in one and not in the other, so that equal tokens cannot come from the
+    same path twice. A sampled (temperature) loop must not take it.
+Needs the GPU machine; the op takes weights of 32-element 8-bit types with more rows than one wave
+of GEMV blocks (rows4_takes), so the weights below have 9001 and 20000 rows.
+"""
+import numpy as np
+import pytest
+
+import qwencuda as qc
+from qwencuda import _core
+from qwencuda import kernels as K
+from engine_util import cuda_kernel_ran, session_with_env
+
+pytestmark = pytest.mark.gpu
+
+TYPES = ["Q8_0", "Q5_0", "Q4_0"]
+BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18}   # a block of 32 starts with its f16 scale d
+
+
+def _first_argmax(logits):
+    """The sample op's greedy rule: the first largest value, NaN never chosen; -1 for none."""
+    finite = np.where(np.isnan(logits), -np.inf, logits)
+    best = int(np.argmax(finite))
+    return -1 if finite[best] == -np.inf else best
+
+
+def _draw(w, x, rng=12345, feed=None):
+    out = _core._kernel_matmul_draw("cuda", w._arg(), np.ascontiguousarray(x, np.float32), rng, feed)
+    assert out is not None, f"matmul_draw did not take {w}"
+    return out
+
+
+def _weight(type_name, rows, cols, seed, copies=()):
+    """A random weight whose rows `copies` ((from, to) pairs) are byte copies of others: equal logits."""
+    rng = np.random.default_rng(seed)
+    w = K.Weight.from_float(rng.standard_normal((rows, cols)).astype(np.float32), type_name)
+    raw = w.raw.reshape(rows, -1).copy()
+    for src, dst in copies:
+        raw[dst] = raw[src]
+    return K.Weight(raw, type_name, (rows, cols))
+
+
+def _nan_rows(w, rows_nan):
+    """w with the scale d of every block of rows_nan set to an f16 NaN: those logits are NaN."""
+    raw = w.raw.reshape(w.shape[0], -1).copy()
+    bb = BLOCK_BYTES[w.type]
+    for r in rows_nan:
+        for b in range(raw.shape[1] // bb):
+            raw[r, b * bb:b * bb + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    return K.Weight(raw, w.type, w.shape)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows,cols", [(9001, 896), (20000, 256)])
+def test_op_draws_the_first_largest_logit(type_name, rows, cols):
+    rng = np.random.default_rng(rows + cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    # the largest row copied: across blocks of 32 rows (the atomicMax's ties) and inside one warp
+    probe = K.matmul(_weight(type_name, rows, cols, seed=3), x, device="cuda")
+    top = int(np.argmax(probe))
+    for copies, first in [((), top),
+                          (((top, rows - 1), (top, 40)), min(40, top)),
+                          (((top, 4), (top, 5), (top, 7)), min(4, top))]:
+        w = _weight(type_name, rows, cols, seed=3, copies=copies)
+        logits, token, rng_after, fed = _draw(w, x)
+        np.testing.assert_array_equal(logits, K.matmul(w, x, device="cuda"), err_msg=str(w))
+        assert token == _first_argmax(logits) == first, (copies, token, first)
+        assert token == K.sample(logits, qc.Sampler(rows, temperature=0.0), device="cuda")
+        assert rng_after == 12345 and fed is None
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_op_never_draws_nan(type_name):
+    rows, cols = 9001, 256
+    x = np.random.default_rng(5).standard_normal(cols).astype(np.float32)
+    w = _weight(type_name, rows, cols, seed=9)
+    top = int(np.argmax(K.matmul(w, x, device="cuda")))
+    nan_rows = [0, 1, 31, 32, 5000, rows - 1, top]   # the largest row too: the next one must win
+    logits, token, _, _ = _draw(_nan_rows(w, nan_rows), x)
+    assert np.isnan(logits[nan_rows]).all() and not np.isnan(logits[token])
+    assert token == _first_argmax(logits) == K.sample(logits, qc.Sampler(rows, temperature=0.0), device="cuda")
+    w = _nan_rows(w, nan_rows)
+    # every logit NaN: nothing can be chosen, and the feed still gives the next step a valid id
+    logits, token, _, fed = _draw(_nan_rows(w, range(rows)), x, feed=(77, 10))
+    assert np.isnan(logits).all() and token == -1 and fed == (0, 11)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_op_feeds_the_next_step(type_name):
+    rows, cols = 9001, 896
+    x = np.random.default_rng(6).standard_normal(cols).astype(np.float32)
+    w = _weight(type_name, rows, cols, seed=12)
+    for pos in (0, 41, 32766):
+        logits, token, rng_after, fed = _draw(w, x, rng=987654321, feed=(3, pos))
+        assert token == _first_argmax(logits) and fed == (token, pos + 1) and rng_after == 987654321
+    # equal logits everywhere (a zero x): the first id, in every launch (the counters start again)
+    for _ in range(3):
+        logits, token, _, _ = _draw(w, np.zeros(cols, np.float32))
+        assert (logits == 0).all() and token == 0
+
+
+def test_op_declines_what_it_does_not_serve():
+    """Types of 256-element blocks and rows within one wave keep the lm_head, sample, feed_draw."""
+    x = np.ones(256, np.float32)
+    assert _core._kernel_matmul_draw("cuda", _weight("Q4_K", 9001, 256, 1)._arg(), x, 1, None) is None
+    assert _core._kernel_matmul_draw("cuda", _weight("Q8_0", 512, 256, 1)._arg(), x, 1, None) is None
+    assert _core._kernel_matmul_draw("cpu", _weight("Q8_0", 9001, 256, 1)._arg(), x, 1, None) is None
+
+
+# a small model with a vocabulary large enough for the four-row kernel, its lm_head 8-bit
+BIG_VOCAB = dict(n_vocab=12000, dim=128, n_layer=2, n_head=4, n_head_kv=2, ffn_dim=256)
+DRAW_KERNEL = "qc_gemv_q8_rows4_kernel<8, true, true>"   # Q8_0, rows from shared memory, DRAW
+
+
+@pytest.fixture(scope="module")
+def big_vocab_model(tmp_path_factory):
+    return qc.testing.write_model(str(tmp_path_factory.mktemp("head-draw") / "big-vocab-q8_0.gguf"),
+                                  config=BIG_VOCAB, weight_type="q8_0", seed=4)
+
+
+def _loop(path, monkeypatch, env, sampler, steps=24):
+    """A prefill and a generation loop (each step the token drawn before) in a model whose backend
+    was made under env; the tokens, positions and the last steps' paths."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with qc.Model(path, device="cuda") as m:
+        for name in env:
+            monkeypatch.delenv(name)
+        samp = qc.Sampler(m.config.n_vocab, **sampler)
+        out = []
+        with session_with_env(m, monkeypatch, {}, max_context=64) as s:
+            token = s.prefill([1, 2, 3, 4, 5], logits=None, sampler=samp).token
+            for _ in range(steps):
+                token = s.step(token, logits=None, sampler=samp).token
+                out.append((token, s.position, s.ran_ahead))
+
+            def more():
+                nonlocal token
+                for _ in range(4):
+                    token = s.step(token, logits=None, sampler=samp).token
+                    out.append((token, s.position, s.ran_ahead))
+
+            drew = cuda_kernel_ran(more, DRAW_KERNEL)
+            sampled = cuda_kernel_ran(more, "qc_sample_kernel")
+        return out, drew, sampled
+
+
+@pytest.mark.parametrize("sampler", [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_loop_draws_in_the_lm_head(sampler, big_vocab_model, monkeypatch):
+    path = big_vocab_model
+    plain, plain_drew, plain_sampled = _loop(path, monkeypatch, {"QWENCUDA_HEAD_DRAW": "0"}, sampler)
+    got, drew, sampled = _loop(path, monkeypatch, {}, sampler)
+    assert [t[:2] for t in got] == [t[:2] for t in plain]
+    assert any(t[2] for t in got[1:]) and any(t[2] for t in plain[1:])   # the loops ran ahead
+    greedy = sampler["temperature"] == 0.0
+    assert plain_drew in (None, False) and plain_sampled in (None, True)
+    assert drew in (None, greedy) and sampled in (None, not greedy)
