@@ -317,7 +317,6 @@ static void cu_destroy(qc_backend *be) {
             if (cu->sample_part) cudaFree(cu->sample_part);
             if (cu->sample_done) cudaFree(cu->sample_done);
             if (cu->draw_best) cudaFree(cu->draw_best);
-            if (cu->draw_done) cudaFree(cu->draw_done);
             if (cu->ahead_host) {
                 for (int i = 0; i < QC_DOWNLOAD_TICKETS; i++) cudaEventDestroy(cu->ahead_copied[i]);
                 cudaFreeHost(cu->ahead_host);
@@ -441,8 +440,6 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMemsetAsync(cu->sample_done, 0, sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->draw_best, sizeof(unsigned long long)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->draw_best, 0, sizeof(unsigned long long), cu->stream));
-    QC_CREATE_CHECK(cudaMalloc((void **)&cu->draw_done, sizeof(unsigned int)));
-    QC_CREATE_CHECK(cudaMemsetAsync(cu->draw_done, 0, sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
     static_assert(QC_GEMV_MAX_TOKENS >= 3, "q8x holds three one-token regions");
     cu->q8x_act = (char *)cu->q8x + qc_q8x_bytes(1, QC_Q8X_MAX_COLS);

@@ -170,16 +170,20 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
 #define QC_ROWS4_ROWS (QC_ROWS4_WARPS * QC_GEMV_ROWS4)
 
 /* matmul_draw (backend.h): the four-row kernel's blocks make the greedy draw over the logits
- * they write (DRAW). A block's best (value, first id) becomes one 64-bit key (qc_draw_key), an
- * atomicMax of the block's into `best`; the last block to finish (`done`) takes the winner,
- * writes the draw, feeds the next step as feed_draw would (ids, pos), and leaves both words 0
- * for the next launch. Why: after the lm_head, the sample kernel's pass over the logits and
- * feed_draw's launch held the next step back 15 us of a 480 us step (H200, real file, loop
- * profile of report 3112744: qc_sample_kernel started 15.5 us before the next step's first
- * kernel, feed_draw 10.8). */
+ * they write (DRAW). A block's best (value, first id) becomes one 64-bit key (qc_draw_key), and
+ * one atomicMax of it into `best`, whose result no thread waits for; qc_head_draw_finish_kernel,
+ * one warp launched after the grid, takes the winner, writes the draw, feeds the next step as
+ * feed_draw would (ids, pos) and puts `best` back to 0 for the next launch.
+ * Why: after the lm_head, the sample kernel's pass over the logits and feed_draw's launch held the
+ * next step back 15 us of a 480 us step (H200, real file, loop profile of report 3112744:
+ * qc_sample_kernel started 15.5 us before the next step's first kernel, feed_draw 10.8).
+ * Measured and not kept (H200, real file, report c02e922): the last block to count itself done
+ * drawing and feeding, with no second launch. Each block's thread 0 then waited for its atomicMax
+ * (the fence before the count) and its count's return before the block could leave, and the
+ * lm_head took 47.4 us of the loop's step against 36.9 without them: decode 2130.9-2141.7 tok/s
+ * at 512 keys against 2141.4-2151.9 with QWENCUDA_HEAD_DRAW=0. */
 struct qc_head_draw {
     unsigned long long *best;          /* cu->draw_best */
-    unsigned int *done;                /* cu->draw_done */
     const qc_sample_state *state;      /* its RNG goes into the result (a greedy draw draws none) */
     qc_sample_result *result;
     int32_t *ids, *pos;                /* the next step's token and position, or NULL: no feed */
@@ -200,7 +204,7 @@ __device__ __forceinline__ int32_t qc_draw_token(unsigned long long key) {
     return (unsigned)(key >> 32) <= order_of_minus_inf ? -1 : (int32_t)~(unsigned)key;
 }
 
-/* Every thread of the block, once, with its key (0: no logit). */
+/* Every thread of the block, once, with its key (0: no logit): the block's largest into best. */
 __device__ __forceinline__ void qc_head_draw_block(const qc_head_draw &d, unsigned long long key) {
     __shared__ unsigned long long warp_best[QC_ROWS4_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -214,16 +218,19 @@ __device__ __forceinline__ void qc_head_draw_block(const qc_head_draw &d, unsign
     if (threadIdx.x != 0) return;
 #pragma unroll
     for (int w = 1; w < QC_ROWS4_WARPS; w++) key = warp_best[w] > key ? warp_best[w] : key;
-    if (key) atomicMax(d.best, key);
-    __threadfence();   /* the block's key is in best before the block is counted */
-    if (atomicAdd(d.done, 1u) != gridDim.x - 1) return;
-    __threadfence();
-    const int32_t token = qc_draw_token(atomicExch(d.best, 0ull));
-    *d.done = 0;
+    if (key) atomicMax(d.best, key);   /* (its result unused: a reduction nobody waits for) */
+}
+
+/* After the lm_head's grid (its atomics done and visible past the wait): the draw, the feed. */
+__global__ void qc_head_draw_finish_kernel(const qc_head_draw d) {
+    qc_grid_start();
+    if (threadIdx.x != 0) return;
+    const int32_t token = qc_draw_token(*d.best);
+    *d.best = 0;
     d.result->token = token;
     d.result->rng = d.state->rng;
     d.result->pad = 0;
-    if (d.ids) {   /* feed_draw's stores (sample.cu): the drawn id is below gridDim's rows */
+    if (d.ids) {   /* feed_draw's stores (sample.cu); the drawn id is a row, below n_vocab */
         d.ids[0] = token >= 0 ? token : 0;
         d.pos[0] += 1;
     }
@@ -582,8 +589,9 @@ int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, floa
     if (!cu->head_draw || !qc_cuda_type_supported(w->type) || !qc_cuda_gemv_q8(be, w->type, w->cols) ||
         !unit_of_32(w->type) || qc_gemv_split(w->cols) != 1 || !rows4_takes(w, 1, 0, cu) || w->rows > INT32_MAX)
         return 0;
-    const qc_head_draw draw = {cu->draw_best, cu->draw_done, (const qc_sample_state *)state,
-                               (qc_sample_result *)result, ids, pos};
+    const qc_head_draw draw = {cu->draw_best, (const qc_sample_state *)state, (qc_sample_result *)result, ids, pos};
+    if (matmul_any(be, w, NULL, x, 1, NULL, logits, 0, NULL, &draw) < 0) return -1;
     if (ids) qc_cuda_forget_rope(cu);   /* it moves the position (feed_draw) */
-    return matmul_any(be, w, NULL, x, 1, NULL, logits, 0, NULL, &draw) < 0 ? -1 : 1;
+    qc_launch(cu, qc_head_draw_finish_kernel, dim3(1), dim3(32), 0, draw);
+    return QC_LAUNCHED(be, "qc_head_draw_finish_kernel") < 0 ? -1 : 1;
 }

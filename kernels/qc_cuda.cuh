@@ -87,11 +87,10 @@ typedef struct qc_cuda {
      * after every launch (the last block resets it) */
     int2 *sample_part;
     unsigned int *sample_done;
-    /* matmul_draw's draw in the lm_head (matmul.cu, qc_head_draw): the largest key so far and
-     * the counter of finished blocks, zeroed at creation, back to zero after every launch;
-     * QWENCUDA_HEAD_DRAW is not "0" at creation (to compare: the lm_head, sample, feed_draw) */
+    /* matmul_draw's draw in the lm_head (matmul.cu, qc_head_draw): the largest key so far,
+     * zeroed at creation, back to zero after every draw; QWENCUDA_HEAD_DRAW is not "0" at
+     * creation (to compare: the lm_head, sample, feed_draw) */
     unsigned long long *draw_best;
-    unsigned int *draw_done;
     int head_draw;
     /* every op kernel is launched as a programmatic dependent launch (qc_launch below): the
      * device and the kernels' code are sm_90 or newer, and QWENCUDA_PDL is not "0" at creation */
@@ -211,7 +210,7 @@ int qc_cuda_attention_splits(qc_backend *be, int kv_type, int n, int n_kv, int n
 /* feed_draw (backend.h): the next step's inputs from the draw in result (sample.cu). */
 int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
                       int64_t n_vocab);
-/* matmul_draw (backend.h): the lm_head's four-row kernel with the greedy draw (matmul.cu). */
+/* matmul_draw (backend.h): the lm_head's four-row kernel with the greedy draw, then its finish (matmul.cu). */
 int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, float *logits, const void *state,
                         void *result, int32_t *ids, int32_t *pos);
 

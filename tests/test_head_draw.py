@@ -1,9 +1,9 @@
 """The greedy draw inside the lm_head (backend.h's matmul_draw; kernels/matmul.cu, qc_head_draw).
 
 A decode step that draws greedily without a penalty runs its lm_head's four-row kernel with the
-draw in it: each block's best logit goes into one 64-bit key, and the last block writes the draw
-and feeds the next step (ids, pos) as feed_draw does, where the step otherwise ran the lm_head, the
-sample kernel and feed_draw. These tests hold it to what it replaces:
+draw in it: each block's best logit goes into one 64-bit key (an atomicMax), and one warp launched
+after it writes the draw and feeds the next step (ids, pos) as feed_draw does, where the step
+otherwise ran the lm_head, the sample kernel and feed_draw. These tests hold it to what it replaces:
   - the op itself (_core._kernel_matmul_draw) on weights built so that the answer is known: the
     logits bit for bit those of the matmul op, the token the first largest logit by NumPy's rule
     and the sample op's, ties across blocks and inside a warp going to the first id, NaN rows never
@@ -105,7 +105,7 @@ def test_op_feeds_the_next_step(type_name):
     for pos in (0, 41, 32766):
         logits, token, rng_after, fed = _draw(w, x, rng=987654321, feed=(3, pos))
         assert token == _first_argmax(logits) and fed == (token, pos + 1) and rng_after == 987654321
-    # equal logits everywhere (a zero x): the first id, in every launch (the counters start again)
+    # equal logits everywhere (a zero x): the first id, in every launch (the key starts again at 0)
     for _ in range(3):
         logits, token, _, _ = _draw(w, np.zeros(cols, np.float32))
         assert (logits == 0).all() and token == 0
