@@ -163,8 +163,11 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * keys in one lease, the real file's (Q8_0) 2077.6-2095.4 -> 2090.9-2097.1, within its noise.
  * The Q8_0 lm_head stayed at 2.8 TB/s, 58% of the H200's bound, either way: ncu found L2 87%
  * busy, and 3.68M sectors written to L2 for 4.52M read, about 96 bytes a thread, what the
- * kernel's 48-byte stack frame then took (qc_gemv_q8_rows_upto4's run-time row index, since
- * unrolled: not yet timed). */
+ * kernel's 48-byte stack frame then took (qc_gemv_q8_rows_upto4's run-time row index). Unrolled
+ * (no frame; H200, bench/results/20261201-c02e922-*, addendum, against 3112744 in the same
+ * lease): ncu's L2 writes 3.72M -> 0.06M sectors, DRAM 56% -> 70% busy; kernel_bench's Q8_0
+ * lm_head 51.3 -> 37.8 us (3.8 TB/s, 80% of the bound); the real file's decode 2087.5-2097.3 ->
+ * 2141.4-2151.9 tok/s at 512 keys, 1791.5-1798.4 -> 1834.1-1837.6 at 2560. */
 #define QC_GEMV_ROWS4 4
 #define QC_ROWS4_WARPS 8                /* warps a block: 32 rows */
 #define QC_ROWS4_ROWS (QC_ROWS4_WARPS * QC_GEMV_ROWS4)
@@ -181,7 +184,10 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * drawing and feeding, with no second launch. Each block's thread 0 then waited for its atomicMax
  * (the fence before the count) and its count's return before the block could leave, and the
  * lm_head took 47.4 us of the loop's step against 36.9 without them: decode 2130.9-2141.7 tok/s
- * at 512 keys against 2141.4-2151.9 with QWENCUDA_HEAD_DRAW=0. */
+ * at 512 keys against 2141.4-2151.9 with QWENCUDA_HEAD_DRAW=0.
+ * Measured (H200, real file, report 20261201-e14199c, addendum): the loop's step period 467.3 us
+ * (470.2 with the count); decode 2135.7-2146.3 -> 2151.7-2161.1 tok/s at 512 keys and
+ * 1837.2-1839.8 -> 1843.4-1847.5 at 2560 in one lease, QWENCUDA_HEAD_DRAW=0 against on. */
 struct qc_head_draw {
     unsigned long long *best;          /* cu->draw_best */
     const qc_sample_state *state;      /* its RNG goes into the result (a greedy draw draws none) */
