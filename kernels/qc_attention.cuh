@@ -401,7 +401,12 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
  * stamps of a 0.5B step on the H100 put 1.3 us on that merge and 0.6 us on the second barrier
  * (bench/results/20261124-d82da0b-*); this form took the attention's share of a real-file step
  * from 133.5 to 116.9 us (20261124-550e506-*, addendum). Same bits as the split kernel (the
- * persistent decode kernel's): the same partials, merged in the same order. */
+ * persistent decode kernel's): the same partials, merged in the same order.
+ * Measured and not kept (H200, real file, bench/results/20261201-e14199c-*, addendum): 16 splits
+ * in clusters of 8 blocks of 2 splits, blocks of 256 threads (123 registers) that an SM could
+ * take beside more of the down projection's blocks than the 512-thread blocks (98 registers, 53K
+ * of its 64K): decode 2017.1-2029.3 tok/s at 512 keys against 2155.6-2161.0, 1579.2-1579.9 at
+ * 2560 against 1836.7-1846.5. */
 #define QC_ATT_CLUSTER_SPLITS 4
 #define QC_ATT_CLUSTER (QC_ATT_SPLITS / QC_ATT_CLUSTER_SPLITS)   /* 8: the portable most */
 static_assert(QC_ATT_SPLITS % QC_ATT_CLUSTER_SPLITS == 0 && QC_ATT_CLUSTER <= 8, "a portable cluster");
