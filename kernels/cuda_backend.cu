@@ -367,8 +367,8 @@ static qc_backend_ops make_cuda_ops(void) {
     ops.replay = cu_replay;
     ops.recording_free = cu_recording_free;
     ops.feed_draw = on_device<int(qc_backend *, const void *, void *, int32_t *, int32_t *, int64_t)>::run<qc_cuda_feed_draw>;
-    ops.matmul_draw = on_device<int(qc_backend *, const qc_weight *, const float *, float *, const void *, void *,
-                                    int32_t *, int32_t *)>::run<qc_cuda_matmul_draw>;
+    ops.matmul_draw = on_device<int(qc_backend *, const qc_weight *, const float *, const float *, float, float *,
+                                    const void *, void *, int32_t *, int32_t *)>::run<qc_cuda_matmul_draw>;
     ops.download_start = cu_download_start;
     ops.download_finish = cu_download_finish;
     ops.decode_step_takes = cu_decode_step_takes;

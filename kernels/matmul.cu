@@ -508,7 +508,7 @@ static void launch_add_norm(const qc_weight *w, const qc_q8x &xq, const float *r
  * quantize launch. */
 static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
                       const float *residual, float *out, int x_from_last_op, const float *norm_next,
-                      const qc_head_draw *draw) {
+                      const qc_q8x *xq_made, const qc_head_draw *draw) {
     qc_cuda *cu = qc_cuda_of(be);
     cu->norm_of = NULL;   /* out may be that row; this call leaves a new one or none */
     /* read_ahead's hint is this call's to take (the GEMV's blocks issue it), and only this call's */
@@ -529,9 +529,13 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
     if ((w->rows + rows_per_block - 1) / rows_per_block > INT32_MAX)
         return qc_cuda_value_error(be, "matmul: %lld rows is too many", (long long)w->rows);
     qc_q8x xq = {};
+    if (xq_made && !qc_cuda_gemv_q8(be, w->type, w->cols))
+        return qc_cuda_value_error(be, "matmul: an 8-bit x for weight type %u", w->type);
     if (qc_cuda_gemv_q8(be, w->type, w->cols)) {
         const int handed = x_from_last_op && n == 1 && cu->q8x_of == x && cu->q8x_cols == w->cols;
-        if (handed)
+        if (xq_made)
+            xq = *xq_made;
+        else if (handed)
             xq = qc_q8x{(const int8_t *)cu->q8x_of_at, qc_q8x_ds_at(cu->q8x_of_at, 1, w->cols), w->cols, w->cols / 32};
         else if (qc_cuda_quantize_q8(be, x, n, w->cols, &xq) < 0)
             return -1;
@@ -571,12 +575,12 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
 
 int qc_cuda_matmul(qc_backend *be, const qc_weight *w, const float *bias, const float *x, int n,
                    float *out) {
-    return matmul_any(be, w, bias, x, n, NULL, out, 0, NULL, NULL);
+    return matmul_any(be, w, bias, x, n, NULL, out, 0, NULL, NULL, NULL);
 }
 
 int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n,
                        const float *residual, float *out, int x_from_last_op, const float *norm_next) {
-    return matmul_any(be, w, NULL, x, n, residual, out, x_from_last_op, norm_next, NULL);
+    return matmul_any(be, w, NULL, x, n, residual, out, x_from_last_op, norm_next, NULL, NULL);
 }
 
 /* matmul_draw (backend.h): the four-row kernel with its draw (qc_head_draw), where it takes w. */
@@ -589,14 +593,20 @@ static bool unit_of_32(uint32_t type) {
     return false;
 }
 
-int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, float *logits, const void *state,
-                        void *result, int32_t *ids, int32_t *pos) {
+int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
+                        float *logits, const void *state, void *result, int32_t *ids, int32_t *pos) {
     qc_cuda *cu = qc_cuda_of(be);
     if (!cu->head_draw || !qc_cuda_type_supported(w->type) || !qc_cuda_gemv_q8(be, w->type, w->cols) ||
-        !unit_of_32(w->type) || qc_gemv_split(w->cols) != 1 || !rows4_takes(w, 1, 0, cu) || w->rows > INT32_MAX)
+        !unit_of_32(w->type) || qc_gemv_split(w->cols) != 1 || !rows4_takes(w, 1, 0, cu) || w->rows > INT32_MAX ||
+        (norm_w && w->cols > QC_NORM_FUSE_MAX_COLS))
         return 0;
     const qc_head_draw draw = {cu->draw_best, (const qc_sample_state *)state, (qc_sample_result *)result, ids, pos};
-    if (matmul_any(be, w, NULL, x, 1, NULL, logits, 0, NULL, &draw) < 0) return -1;
+    /* the output norm: x normalised and quantized in one launch (qc_norm_quantize_q8_kernel:
+     * rmsnorm's numbers, then qc_quantize_q8_kernel's), where it took the rmsnorm and the
+     * quantize kernels */
+    qc_q8x xq = {};
+    if (norm_w && qc_cuda_norm_quantize_q8(be, x, norm_w, w->cols, eps, &xq) < 0) return -1;
+    if (matmul_any(be, w, NULL, x, 1, NULL, logits, 0, NULL, norm_w ? &xq : NULL, &draw) < 0) return -1;
     if (ids) qc_cuda_forget_rope(cu);   /* it moves the position (feed_draw) */
     qc_launch(cu, qc_head_draw_finish_kernel, dim3(1), dim3(32), 0, draw);
     return QC_LAUNCHED(be, "qc_head_draw_finish_kernel") < 0 ? -1 : 1;

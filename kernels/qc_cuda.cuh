@@ -211,8 +211,8 @@ int qc_cuda_attention_splits(qc_backend *be, int kv_type, int n, int n_kv, int n
 int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
                       int64_t n_vocab);
 /* matmul_draw (backend.h): the lm_head's four-row kernel with the greedy draw, then its finish (matmul.cu). */
-int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, float *logits, const void *state,
-                        void *result, int32_t *ids, int32_t *pos);
+int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
+                        float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
 
 /* The decode_step and decode_step_takes ops of backend.h (decode_step.cu). */
 int qc_cuda_decode_step_takes(qc_backend *be, const qc_decode_plan *plan, int n_kv);

@@ -36,8 +36,8 @@ def _first_argmax(logits):
     return -1 if finite[best] == -np.inf else best
 
 
-def _draw(w, x, rng=12345, feed=None):
-    out = _core._kernel_matmul_draw("cuda", w._arg(), np.ascontiguousarray(x, np.float32), rng, feed)
+def _draw(w, x, rng=12345, feed=None, norm=None, eps=1e-6):
+    out = _core._kernel_matmul_draw("cuda", w._arg(), np.ascontiguousarray(x, np.float32), rng, feed, norm, eps)
     assert out is not None, f"matmul_draw did not take {w}"
     return out
 
@@ -79,6 +79,24 @@ def test_op_draws_the_first_largest_logit(type_name, rows, cols):
         assert token == _first_argmax(logits) == first, (copies, token, first)
         assert token == K.sample(logits, qc.Sampler(rows, temperature=0.0), device="cuda")
         assert rng_after == 12345 and fed is None
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_op_folds_the_output_norm(type_name):
+    """With a norm weight the op normalises x itself (one launch for the norm and the 8-bit x):
+    the logits of rmsnorm, then matmul, bit for bit, and their first largest."""
+    rows, cols, eps = 9001, 896, 1e-6
+    rng = np.random.default_rng(8)
+    w = _weight(type_name, rows, cols, seed=10)
+    for scale in (1.0, 40.0, 1e-3):
+        x = (rng.standard_normal(cols) * scale).astype(np.float32)
+        nw = (1.0 + 0.5 * rng.standard_normal(cols)).astype(np.float32)
+        logits, token, _, fed = _draw(w, x, feed=(9, 3), norm=nw, eps=eps)
+        expect = K.matmul(w, K.rmsnorm(x, nw, eps, device="cuda"), device="cuda")
+        np.testing.assert_array_equal(logits, expect, err_msg=f"{w} scale {scale}")
+        assert token == _first_argmax(expect) and fed == (token, 4)
+        # the test can fail: without the norm the logits differ
+        assert not np.array_equal(_draw(w, x)[0], expect)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -155,6 +173,42 @@ def _loop(path, monkeypatch, env, sampler, steps=24):
             drew = cuda_kernel_ran(more, DRAW_KERNEL)
             sampled = cuda_kernel_ran(more, "qc_sample_kernel")
         return out, drew, sampled
+
+
+def test_loop_across_samplers(big_vocab_model, monkeypatch):
+    """One session's loop switching between a greedy sampler, a sampled one, a greedy one with a
+    penalty (a state the lm_head's draw does not serve once it has a history) and a greedy one
+    again: each switch picks the recording of its kind (session.c, rec_kind 3 or 1) and never
+    replays the lm_head's greedy draw for a state that samples. The same tokens as with
+    QWENCUDA_HEAD_DRAW=0, and the sampled stretch is not what greedy steps would have drawn."""
+    greedy, sampled = dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=11)
+    penalty = dict(temperature=0.0, repeat_penalty=1.3, repeat_last_n=8)
+
+    def run(env, samplers):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with qc.Model(big_vocab_model, device="cuda") as m:
+            for name in env:
+                monkeypatch.delenv(name)
+            out = []
+            with m.session(max_context=96) as s:
+                token = s.prefill([7, 8, 9], logits=None, sampler=qc.Sampler(m.config.n_vocab)).token
+                for params in samplers:
+                    samp = qc.Sampler(m.config.n_vocab, **params)
+                    for _ in range(12):
+                        token = s.step(token, logits=None, sampler=samp).token
+                        if "repeat_penalty" in params:
+                            samp.accept(token)
+                        out.append((token, s.position, s.ran_ahead))
+            return out
+
+    got = run({}, [greedy, sampled, penalty, greedy])
+    plain = run({"QWENCUDA_HEAD_DRAW": "0"}, [greedy, sampled, penalty, greedy])
+    assert [t[:2] for t in got] == [t[:2] for t in plain]
+    assert sum(t[2] for t in got[:24]) >= 16   # the greedy and the sampled stretches ran ahead
+    all_greedy = run({}, [greedy, greedy])
+    assert [t[0] for t in all_greedy[:12]] == [t[0] for t in got[:12]]
+    assert [t[0] for t in all_greedy[12:24]] != [t[0] for t in got[12:24]]
 
 
 @pytest.mark.parametrize("sampler", [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=3)],

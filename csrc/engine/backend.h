@@ -255,11 +255,13 @@ typedef struct qc_backend_ops {
      * draws greedily without a penalty (qc_sample_plain_greedy): logits = x @ w^T (matmul, no
      * bias) and result = what sample leaves over them (the first largest logit, NaN never
      * chosen, -1 when every logit is NaN or -inf; the state's RNG), the same logits and result.
-     * With ids and pos (not NULL) it then does what feed_draw does with that result. Returns 1
-     * when it ran, 0 where it does not serve w (nothing queued: the caller runs matmul, sample
-     * and feed_draw), -1 on error. */
-    int (*matmul_draw)(qc_backend *be, const qc_weight *w, const float *x, float *logits, const void *state,
-                       void *result, int32_t *ids, int32_t *pos);
+     * norm_w: when not NULL, x is first RMS-normalised with it and eps (rmsnorm, bit for bit;
+     * the normalised x is not kept), so the output norm needs no launch of its own. With ids
+     * and pos (not NULL) it then does what feed_draw does with that result. Returns 1 when it
+     * ran, 0 where it does not serve w (nothing queued: the caller runs rmsnorm, matmul,
+     * sample and feed_draw), -1 on error. */
+    int (*matmul_draw)(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
+                       float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
     int (*download_start)(qc_backend *be, const void *src, size_t bytes, int *ticket);
     int (*download_finish)(qc_backend *be, int ticket, void *host_dst, size_t bytes);
 

@@ -1285,9 +1285,17 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
     const int r0 = req->all_logits ? 0 : (last_chunk ? nc - 1 : nc);
     const int out_row0 = req->all_logits ? c0 : 0;
 
+    /* a greedy draw from the one lm_head row may be the lm_head's own, with the output norm
+     * folded in (matmul_draw; drawn: it also fed the step after) */
+    int drawn = 0;
+    if (!p->one_launch && p->head_draw && last_chunk && nc - r0 == 1 && !want_norm)
+        OP(drawn = op->matmul_draw(be, &m->output, sc->x + (size_t)r0 * dim, m->output_norm, c->norm_eps, s->logits,
+                                   s->sample_state, s->sample_result, p->feeds ? sc->ids : NULL,
+                                   p->feeds ? sc->pos : NULL));
+
     /* output RMSNorm: every row when all are needed, else the lm_head's (decode_step ran both) */
     const int first = want_norm ? 0 : r0;
-    if (first < nc && !p->one_launch)
+    if (first < nc && !p->one_launch && !drawn)
         OP(op->rmsnorm(be, sc->x + (size_t)first * dim, m->output_norm, nc - first, dim, c->norm_eps,
                        sc->xn + (size_t)first * dim));
     CAPTURE(observe(s, p, CAP_OUTPUT_NORM, sc->xn, c0, nc, dim, err));
@@ -1297,12 +1305,7 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
         const int out_row = out_row0 + (b - r0);
         /* the eval's draw is from this block's last row */
         const int draws = p->do_sample && last_chunk && b + rows == nc;
-        /* lm_head: logits = xn @ output^T (output.weight, or token_embd when tied); a greedy
-         * draw of one row may be the lm_head's own (drawn: it also fed the step after) */
-        int drawn = 0;
-        if (!p->one_launch && draws && rows == 1 && p->head_draw)
-            OP(drawn = op->matmul_draw(be, &m->output, sc->xn + (size_t)b * dim, s->logits, s->sample_state,
-                                       s->sample_result, p->feeds ? sc->ids : NULL, p->feeds ? sc->pos : NULL));
+        /* lm_head: logits = xn @ output^T (output.weight, or token_embd when tied) */
         if (!p->one_launch && !drawn) OP(op->matmul(be, &m->output, NULL, sc->xn + (size_t)b * dim, rows, s->logits));
         CAPTURE(observe(s, p, CAP_LOGITS, s->logits, out_row, rows, vocab, err));
         /* argmax: the first largest logit of each row */

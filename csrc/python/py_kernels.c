@@ -1302,7 +1302,8 @@ done:
 
 typedef struct {
     const qc_weight *w;
-    job_array x, logits, state, result, ids, pos;
+    job_array x, norm, logits, state, result, ids, pos;   /* norm.dev NULL: no norm */
+    float eps;
     int feed;                   /* pass ids and pos (the next step's feed) */
     int taken;                  /* set by the op: the backend's matmul_draw ran */
 } matmul_draw_args;
@@ -1310,29 +1311,32 @@ typedef struct {
 static int op_matmul_draw(qc_backend *be, void *p) {
     matmul_draw_args *a = p;
     if (be->ops->matmul_draw == NULL) return 0;
-    const int rc = be->ops->matmul_draw(be, a->w, a->x.dev, a->logits.dev, a->state.dev, a->result.dev,
-                                        a->feed ? a->ids.dev : NULL, a->feed ? a->pos.dev : NULL);
+    const int rc = be->ops->matmul_draw(be, a->w, a->x.dev, a->norm.dev, a->eps, a->logits.dev, a->state.dev,
+                                        a->result.dev, a->feed ? a->ids.dev : NULL, a->feed ? a->pos.dev : NULL);
     a->taken = rc > 0;
     return rc < 0 ? -1 : 0;
 }
 
-/* _kernel_matmul_draw(device, weight, x float32 (cols,), rng, feed (id, pos) or None) -> None
- * where the backend has no matmul_draw for the weight, else (logits float32 (rows,), token, rng
- * after, (id, pos) after the feed or None): the lm_head with its greedy draw (backend.h), for
- * tests; the state is greedy without a penalty. */
+/* _kernel_matmul_draw(device, weight, x float32 (cols,), rng, feed (id, pos) or None, norm=None,
+ * eps=1e-6) -> None where the backend has no matmul_draw for the weight, else (logits float32
+ * (rows,), token, rng after, (id, pos) after the feed or None): the lm_head with its greedy draw
+ * (backend.h), x first normalised with norm when given, for tests; the state is greedy without
+ * a penalty. */
 static PyObject *kernel_matmul_draw(PyObject *self, PyObject *args) {
     (void)self;
     const char *device;
-    PyObject *wobj, *xobj, *fobj, *res = NULL;
+    PyObject *wobj, *xobj, *fobj, *nobj = Py_None, *res = NULL;
     unsigned long long rng;
+    float eps = 1e-6f;
     held h = {0};
     qc_weight *w;
     cached_backend *c;
-    PyArrayObject *x, *logits;
+    PyArrayObject *x, *norm, *logits;
     int32_t feed_ids[1] = {0}, feed_pos[1] = {0}, ids_after[1] = {0}, pos_after[1] = {0};
-    if (!PyArg_ParseTuple(args, "sOOKO", &device, &wobj, &xobj, &rng, &fobj)) return NULL;
+    if (!PyArg_ParseTuple(args, "sOOKO|Of", &device, &wobj, &xobj, &rng, &fobj, &nobj, &eps)) return NULL;
     if ((w = hold_weight(&h, wobj)) == NULL || (c = get_backend(device)) == NULL ||
-        (x = hold(&h, as_array(xobj, NPY_FLOAT32, 1, "matmul_draw x (cols,)"))) == NULL)
+        (x = hold(&h, as_array(xobj, NPY_FLOAT32, 1, "matmul_draw x (cols,)"))) == NULL ||
+        norm_arg(&h, nobj, w->cols, "matmul_draw norm", &norm) < 0)
         goto done;
     const int feed = fobj != Py_None;
     if (feed && !PyArg_ParseTuple(fobj, "ii;feed must be (id, pos)", &feed_ids[0], &feed_pos[0])) goto done;
@@ -1345,13 +1349,15 @@ static PyObject *kernel_matmul_draw(PyObject *self, PyObject *args) {
     if ((logits = hold(&h, new_array(NPY_FLOAT32, 1, &rows))) == NULL) goto done;
     const qc_sample_state state = {.rng = rng, .temperature = 0.0f, .top_p = 1.0f, .repeat_penalty = 1.0f};
     qc_sample_result drawn = {0, -2, 0};
-    matmul_draw_args a = {.w = w, .x = arr_in(x), .logits = arr_out(logits), .feed = feed};
+    matmul_draw_args a = {.w = w, .x = arr_in(x), .logits = arr_out(logits), .eps = eps, .feed = feed};
+    if (norm) a.norm = arr_in(norm);
     a.state = (job_array){&state, NULL, sizeof state, NULL};
     a.result = (job_array){&drawn, &drawn, sizeof drawn, NULL};
     a.ids = (job_array){feed_ids, ids_after, sizeof feed_ids, NULL};
     a.pos = (job_array){feed_pos, pos_after, sizeof feed_pos, NULL};
     kernel_job j = {.op = op_matmul_draw, .args = &a,
-                    .arrays = {&a.x, &a.logits, &a.state, &a.result, &a.ids, &a.pos}, .w = {w}};
+                    .arrays = {&a.x, &a.logits, &a.state, &a.result, &a.ids, &a.pos, norm ? &a.norm : NULL},
+                    .w = {w}};
     if (run_job(c, &j) < 0) goto done;
     if (!a.taken) {
         res = Py_None;
@@ -1525,8 +1531,8 @@ static PyMethodDef kernel_methods[] = {
      "_kernel_sample_state(device, logits, rng, temperature, top_k, top_p, min_p, repeat_penalty, "
      "history int32) -> (token, rng): the sample op on a raw state (tests)"},
     {"_kernel_matmul_draw", kernel_matmul_draw, METH_VARARGS,
-     "_kernel_matmul_draw(device, weight, x float32 (cols,), rng, feed (id, pos) or None) -> None, or "
-     "(logits, token, rng, (id, pos) or None): the lm_head with its greedy draw (tests)"},
+     "_kernel_matmul_draw(device, weight, x float32 (cols,), rng, feed (id, pos) or None, norm=None, eps=1e-6) "
+     "-> None, or (logits, token, rng, (id, pos) or None): the lm_head with its greedy draw (tests)"},
     {"kernel_sample", kernel_sample, METH_VARARGS,
      "kernel_sample(device, logits float32 (n_vocab,), sampler) -> int: the sampler's next draw, on the backend"},
     {"kernel_time_matmul", kernel_time_matmul, METH_VARARGS,
