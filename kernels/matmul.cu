@@ -187,7 +187,10 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * at 512 keys against 2141.4-2151.9 with QWENCUDA_HEAD_DRAW=0.
  * Measured (H200, real file, report 20261201-e14199c, addendum): the loop's step period 467.3 us
  * (470.2 with the count); decode 2135.7-2146.3 -> 2151.7-2161.1 tok/s at 512 keys and
- * 1837.2-1839.8 -> 1843.4-1847.5 at 2560 in one lease, QWENCUDA_HEAD_DRAW=0 against on. */
+ * 1837.2-1839.8 -> 1843.4-1847.5 at 2560 in one lease, QWENCUDA_HEAD_DRAW=0 against on. With the
+ * output norm folded in (matmul_draw's norm_w; report 20261201-321c15f, addendum, against bce06e9
+ * in the same lease): 2143.8-2151.7 -> 2153.6-2158.8 tok/s at 512 keys, 1834.4-1838.0 ->
+ * 1839.1-1844.5 at 2560. */
 struct qc_head_draw {
     unsigned long long *best;          /* cu->draw_best */
     const qc_sample_state *state;      /* its RNG goes into the result (a greedy draw draws none) */
