@@ -210,7 +210,8 @@ int qc_cuda_attention_splits(qc_backend *be, int kv_type, int n, int n_kv, int n
 /* feed_draw (backend.h): the next step's inputs from the draw in result (sample.cu). */
 int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *ids, int32_t *pos,
                       int64_t n_vocab);
-/* matmul_draw (backend.h): the lm_head's four-row kernel with the greedy draw, then its finish (matmul.cu). */
+/* matmul_draw (backend.h): the output norm's 8-bit x, the lm_head's four-row kernel with the greedy
+ * draw, then its finish (matmul.cu). */
 int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
                         float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
 
