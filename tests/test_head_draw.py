@@ -1,17 +1,20 @@
 """The greedy draw inside the lm_head (backend.h's matmul_draw; kernels/matmul.cu, qc_head_draw).
 
-A decode step that draws greedily without a penalty runs its lm_head's four-row kernel with the
-draw in it: each block's best logit goes into one 64-bit key (an atomicMax), and one warp launched
-after it writes the draw and feeds the next step (ids, pos) as feed_draw does, where the step
-otherwise ran the lm_head, the sample kernel and feed_draw. These tests hold it to what it replaces:
+A decode step that draws greedily without a penalty normalises x and quantizes it in one launch,
+then runs its lm_head's four-row kernel with the draw in it: each block's best logit goes into one
+64-bit key (an atomicMax), and one warp launched after it writes the draw and feeds the next step
+(ids, pos) as feed_draw does, where the step otherwise ran rmsnorm, the quantize kernel, the
+lm_head, the sample kernel and feed_draw. These tests hold it to what it replaces:
   - the op itself (_core._kernel_matmul_draw) on weights built so that the answer is known: the
-    logits bit for bit those of the matmul op, the token the first largest logit by NumPy's rule
-    and the sample op's, ties across blocks and inside a warp going to the first id, NaN rows never
-    chosen, every row NaN drawing -1, the feed's id and position;
+    logits bit for bit those of the matmul op (of rmsnorm then matmul, with the norm), the token
+    the first largest logit by NumPy's rule and the sample op's, ties across blocks and inside a
+    warp going to the first id, NaN rows never chosen, every row NaN drawing -1, the feed's id
+    and position;
   - a session's generation loop against one whose backend was made with QWENCUDA_HEAD_DRAW=0 (the
     lm_head, then sample, then feed_draw): the same tokens and positions, with the profiler seeing
     the drawing kernel run in one and not in the other, so that equal tokens cannot come from the
-    same path twice. A sampled (temperature) loop must not take it.
+    same path twice. A sampled (temperature) loop must not take it, nor a loop that switches
+    samplers replay the greedy recording for a sampling state.
 Needs the GPU machine; the op takes weights of 32-element 8-bit types with more rows than one wave
 of GEMV blocks (rows4_takes), so the weights below have 9001 and 20000 rows.
 """
