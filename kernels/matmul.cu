@@ -351,19 +351,31 @@ int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
 }
 
-/* Whether a one-token GEMV of w's rows (a type of 32-element units, no split) takes the four-row
- * kernel: more rows than one wave of qc_gemv_kernel's blocks (the lm_head), and no next kernel
- * to launch early. */
-static bool rows4_takes(const qc_weight *w, int n, int launch_next, const qc_cuda *cu) {
+/* Whether a one-token GEMV of w takes the four-row kernel (qc_gemv_q8_rows4_kernel): an 8-bit GEMV
+ * type of 32-element units, no split, more rows than one wave of qc_gemv_kernel's blocks (the
+ * lm_head), and no next kernel to launch early. launch_gemv_s and matmul_draw both ask it. */
+static bool unit_of_32(uint32_t type) {
+    switch (type) {
+#define QC_CASE_(T) case T: return qc_q8_unit<T>::UNIT == 32;
+        QC_Q8_FOR_EACH_TYPE(QC_CASE_)
+#undef QC_CASE_
+    }
+    return false;
+}
+static bool rows4_takes(qc_backend *be, const qc_weight *w, int n, int launch_next) {
+    const qc_cuda *cu = qc_cuda_of(be);
     const int64_t blocks = (w->rows + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS;
-    return n == 1 && cu->gemv_rows4 && blocks > (int64_t)QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count && !launch_next;
+    return n == 1 && cu->gemv_rows4 && qc_cuda_gemv_q8(be, w->type, w->cols) && unit_of_32(w->type) &&
+           qc_gemv_split(w->cols) == 1 && blocks > (int64_t)QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count &&
+           !launch_next;
 }
 
-/* draw: matmul_draw's (the four-row kernel's DRAW), or NULL. */
+/* draw: matmul_draw's (the four-row kernel's DRAW), or NULL. Returns whether the draw was launched. */
 template <int T, int S, bool Q8>
-static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
+static bool launch_gemv_s(qc_backend *be, const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
                           int n, const float *residual, float *out, const qc_l2_ahead &ahead, int launch_next,
-                          const qc_head_draw *draw, const qc_cuda *cu) {
+                          const qc_head_draw *draw) {
+    const qc_cuda *cu = qc_cuda_of(be);
     const int64_t rb = qc_row_bytes_t<T>(w->cols);
     const int64_t rows_per_block = QC_GEMV_WARPS / S;
     const dim3 grid((unsigned)((w->rows + rows_per_block - 1) / rows_per_block), qc_gemv_grid_y(n));
@@ -376,11 +388,11 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
         const bool one_wave = grid.x <= (unsigned)(QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count);
         if (n == 1 && cu->w_shared && one_wave && shared <= QC_SHARED_COPY_MAX) {
             qc_launch(cu, qc_gemv_kernel<T, 1, S, true, true>, grid, block, shared, QC_ARGS_);
-            return;
+            return false;
         }
         /* one token, many waves of rows of a warp each (the lm_head): four rows a warp */
         if constexpr (S == 1 && qc_q8_unit<T>::UNIT == 32) {
-            if (rows4_takes(w, n, launch_next, cu)) {
+            if (rows4_takes(be, w, n, launch_next)) {
                 const dim3 grid4((unsigned)((w->rows + QC_ROWS4_ROWS - 1) / QC_ROWS4_ROWS)), block4(32 * QC_ROWS4_WARPS);
                 const size_t shared4 = qc_shared_copy_bytes(QC_ROWS4_ROWS * rb);
                 const bool sh = cu->w_shared && shared4 <= QC_SHARED_COPY_MAX;
@@ -390,7 +402,7 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
                 else if (sh) qc_launch(cu, qc_gemv_q8_rows4_kernel<T, true, false>, grid4, block4, shared4, QC_ARGS4_);
                 else qc_launch(cu, qc_gemv_q8_rows4_kernel<T, false, false>, grid4, block4, 0, QC_ARGS4_);
 #undef QC_ARGS4_
-                return;
+                return draw != NULL;
             }
         }
     }
@@ -401,17 +413,17 @@ static void launch_gemv_s(const qc_weight *w, const float *bias, const float *x,
     default: qc_launch(cu, qc_gemv_kernel<T, 8, S, Q8>, grid, block, 0, QC_ARGS_); break;
     }
 #undef QC_ARGS_
+    return false;
 }
 
 /* Q8: x quantized in xq (qc_gemv_q8.cuh; the types of QC_Q8_FOR_EACH_TYPE only). */
 template <int T, bool Q8>
-static void launch_gemv(const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq, int n,
-                        const float *residual, float *out, const qc_l2_ahead &ahead, int launch_next,
-                        const qc_head_draw *draw, const qc_cuda *cu) {
+static bool launch_gemv(qc_backend *be, const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
+                        int n, const float *residual, float *out, const qc_l2_ahead &ahead, int launch_next,
+                        const qc_head_draw *draw) {
     if (qc_gemv_split(w->cols) > 1)
-        launch_gemv_s<T, QC_GEMV_WARPS, Q8>(w, bias, x, xq, n, residual, out, ahead, launch_next, draw, cu);
-    else
-        launch_gemv_s<T, 1, Q8>(w, bias, x, xq, n, residual, out, ahead, launch_next, draw, cu);
+        return launch_gemv_s<T, QC_GEMV_WARPS, Q8>(be, w, bias, x, xq, n, residual, out, ahead, launch_next, draw);
+    return launch_gemv_s<T, 1, Q8>(be, w, bias, x, xq, n, residual, out, ahead, launch_next, draw);
 }
 
 /* out[n][rows] (ldc = rows, starting at row r0) = X[n][cols] @ A^T for A (m, cols); with
@@ -561,15 +573,18 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
             cu->norm_cols = w->rows;
             return 0;
         }
+        bool drew = false;
         switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, true>(w, bias, x, xq, n, residual, out, ahead, launch_next, draw, cu); break;
+#define QC_CASE_(T) case T: drew = launch_gemv<T, true>(be, w, bias, x, xq, n, residual, out, ahead, launch_next, draw); break;
             QC_Q8_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
         }
-        return QC_LAUNCHED(be, "qc_gemv_kernel");
+        if (QC_LAUNCHED(be, "qc_gemv_kernel") < 0) return -1;
+        /* matmul_draw asked rows4_takes first: a draw no kernel made would read as no token */
+        return draw && !drew ? qc_cuda_value_error(be, "matmul_draw: the four-row kernel did not take it") : 0;
     }
     switch (w->type) {
-#define QC_CASE_(T) case T: launch_gemv<T, false>(w, bias, x, xq, n, residual, out, ahead, 0, NULL, cu); break;
+#define QC_CASE_(T) case T: launch_gemv<T, false>(be, w, bias, x, xq, n, residual, out, ahead, 0, NULL); break;
         QC_CUDA_FOR_EACH_TYPE(QC_CASE_)
 #undef QC_CASE_
     }
@@ -587,21 +602,11 @@ int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n
 }
 
 /* matmul_draw (backend.h): the four-row kernel with its draw (qc_head_draw), where it takes w. */
-static bool unit_of_32(uint32_t type) {
-    switch (type) {
-#define QC_CASE_(T) case T: return qc_q8_unit<T>::UNIT == 32;
-        QC_Q8_FOR_EACH_TYPE(QC_CASE_)
-#undef QC_CASE_
-    }
-    return false;
-}
 
 int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
                         float *logits, const void *state, void *result, int32_t *ids, int32_t *pos) {
     qc_cuda *cu = qc_cuda_of(be);
-    if (!cu->head_draw || !qc_cuda_type_supported(w->type) || !qc_cuda_gemv_q8(be, w->type, w->cols) ||
-        !unit_of_32(w->type) || qc_gemv_split(w->cols) != 1 || !rows4_takes(w, 1, 0, cu) || w->rows > INT32_MAX ||
-        (norm_w && w->cols > QC_NORM_FUSE_MAX_COLS))
+    if (!cu->head_draw || !rows4_takes(be, w, 1, 0) || w->rows > INT32_MAX || (norm_w && w->cols > QC_NORM_FUSE_MAX_COLS))
         return 0;
     const qc_head_draw draw = {cu->draw_best, (const qc_sample_state *)state, (qc_sample_result *)result, ids, pos};
     /* the output norm: x normalised and quantized in one launch (qc_norm_quantize_q8_kernel:
