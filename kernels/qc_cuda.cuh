@@ -110,6 +110,12 @@ typedef struct qc_cuda {
     /* a decode step's qkv_attention in one launch (qkv_attention.cu): QWENCUDA_QKV_ATTENTION is
      * not "0" at creation (to compare) */
     int qkv_attention;
+    /* its clusters: qa_most[head_dim 128][f32 cache][16 blocks] is how many clusters of 8 (or 16)
+     * blocks of that kernel the GPU holds at once, 0 where it takes none (creation,
+     * qc_cuda_qkv_attention_init); qa_cluster_want is 8 or 16 where QWENCUDA_ATT_CLUSTER asked
+     * for one at creation (to compare; 16 only where it is schedulable), 0 to choose */
+    int qa_most[2][2][2];
+    int qa_cluster_want;
     /* one-token GEMVs of more than a wave of blocks (the lm_head) with four rows a warp (matmul.cu,
      * qc_gemv_q8_rows4_kernel): QWENCUDA_GEMV_ROWS4 is not "0" at creation (to compare) */
     int gemv_rows4;
@@ -220,6 +226,8 @@ int qc_cuda_decode_step_takes(qc_backend *be, const qc_decode_plan *plan, int n_
 int qc_cuda_decode_step(qc_backend *be, const qc_decode_plan *plan);
 /* Once per backend, before any recording: the flash kernels' shared-memory allowance. */
 int qc_cuda_flash_attention_init(qc_backend *be);
+/* qkv_attention.cu: which cluster sizes its kernel can take on this GPU (qc_cuda's qa_most). */
+void qc_cuda_qkv_attention_init(qc_backend *be);
 /* Whether qc_cuda_flash_attention takes this head_dim. */
 static inline int qc_cuda_flash_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 /* x normalised by rmsnorm into a backend scratch buffer (grown outside the decode path), for

@@ -10,8 +10,8 @@
  * head: a cluster can compute them itself and pass them through shared memory.
  *
  * How: the cluster attention's grid (attention.cu; qc_attention.cuh, "split-K in thread-block
- * clusters"): a cluster of QC_ATT_CLUSTER blocks per query head h, QC_ATT_CLUSTER_SPLITS splits
- * a block.
+ * clusters"): a cluster of C blocks per query head h (8, or 16 where the GPU takes them:
+ * qc_qa_shape), QC_ATT_SPLITS / C splits a block.
  *   1. Before the wait: the held keys (below the position: earlier evals wrote them), this
  *      warp's weight rows asked of L2 (unless the matmul before, the down projection, asked for
  *      all of q, k and v: read_ahead, session.c), its biases, and in the step's first launch its
@@ -64,10 +64,33 @@
 #include "qc_attention.cuh"
 #include "qc_rope.cuh"
 
-#define QC_QA_THREADS (QC_ATT_SPLIT_THREADS * QC_ATT_CLUSTER_SPLITS)   /* a cluster attention block */
-#define QC_QA_WARPS (QC_QA_THREADS / 32)
-#define QC_QA_CLUSTER_WARPS (QC_ATT_CLUSTER * QC_QA_WARPS)
-static_assert(QC_QA_THREADS >= QC_NORM_ROW_THREADS, "rmsnorm's sums: a thread each");
+#include <stdlib.h>
+#include <string.h>
+
+/* A launch's clusters of C blocks, QC_ATT_SPLITS / C splits a block: C = QC_ATT_CLUSTER (8, the
+ * portable most, 512 threads a block) or 16 (a non-portable cluster size, 256 threads a block),
+ * chosen at the backend's creation (qc_cuda_qkv_attention_init). Either way a cluster has
+ * QC_ATT_SPLITS splits and QC_QA_CLUSTER_WARPS warps, so a warp computes the same rows.
+ * Why 16: a block of 512 threads at 98 registers needs 50K of an SM's 64K, so a cluster of eight
+ * is placed only where eight SMs of a GPC have nearly emptied of the down projection's blocks
+ * (report 20261201-e14199c, addendum: the last blocks reach their wait 0.86 us after the first
+ * release, and each cluster waits for its last). Half the block fits beside more of them.
+ * Measured at 2bcb4b0 (H200, real file; report 20261201-3112744, addendum), compile-time 16:
+ * decode 2074.6-2090.8 -> 2087.7-2103.5 tok/s at 512 keys, 1791.2-1796.5 -> 1808.7-1816.8 at
+ * 2560. */
+#define QC_QA_CLUSTER_WARPS (QC_ATT_SPLITS * QC_ATT_SPLIT_THREADS / 32)
+#define QC_QA_CLUSTER_WIDE 16
+template <int C>
+struct qc_qa_shape {
+    static constexpr int splits = QC_ATT_SPLITS / C;   /* a block's */
+    static constexpr int threads = QC_ATT_SPLIT_THREADS * splits;
+    static constexpr int warps = threads / 32;
+    /* an SM's blocks for __launch_bounds__: two of 256 threads (at most 128 registers); none asked
+     * for the 512-thread blocks (one an SM either way: the registers ptxas gave them before) */
+    static constexpr int min_blocks = C == QC_ATT_CLUSTER ? 0 : 2;
+    static_assert(QC_ATT_SPLITS % C == 0 && C * warps == QC_QA_CLUSTER_WARPS, "a cluster's splits and warps");
+    static_assert(threads >= QC_NORM_ROW_THREADS, "rmsnorm's sums: a thread each");
+};
 
 /* q, k or v: its stored rows, bias (or NULL) and output (one token). */
 struct qc_qa_w {
@@ -96,10 +119,11 @@ struct qc_qa_params {
 
 /* Shared memory: q of the head (head_dim floats), the new k and v (head_dim KV each, room for
  * floats), then one region for x (steps 2 and 3: its 8-bit qs and ds) that the
- * attention (step 4) reuses for its groups' publish areas and the cluster's partials. */
-static size_t qa_smem_bytes(int G, int head_dim, int64_t dim) {
+ * attention (step 4) reuses for its groups' publish areas and the cluster's partials (C blocks a
+ * cluster). */
+static size_t qa_smem_bytes(int G, int head_dim, int64_t dim, int C) {
     const size_t x_bytes = qc_q8x_qs_bytes(1, dim) + (size_t)(dim / 32) * sizeof(float2);
-    const size_t att_bytes = qc_att_cluster_floats(G, head_dim) * sizeof(float);
+    const size_t att_bytes = qc_att_cluster_floats(G, head_dim, QC_ATT_SPLITS / C) * sizeof(float);
     return 3 * (size_t)head_dim * sizeof(float) + (x_bytes > att_bytes ? x_bytes : att_bytes);
 }
 
@@ -114,30 +138,32 @@ __device__ __forceinline__ void qc_qa_prefetch_row(const uint8_t *row, int64_t b
  * norm_w, qc_norm_quantize_q8_kernel's values (rmsnorm's numbers, qc_cuda.cuh: the same scale;
  * x times scale times the weight quantized as qc_q8_quantize_block does, eight lanes a block of
  * 32 by qc_q8_quantize_block4); without, qc_quantize_q8_kernel's. w: this lane's four norm
- * weights of the first pass (4 * QC_QA_WARPS blocks of 32; qc_qa_norm_w4 of qc_qa_norm_block(warp,
- * lane, 0)), loaded before the wait; a later pass (dim > 2048) loads its own. Ends with the block
- * synchronised.
+ * weights of the first pass (4 * W blocks of 32, W the block's warps; qc_qa_norm_w4 of
+ * qc_qa_norm_block(warp, lane, 0)), loaded before the wait; a later pass (dim > 128 W) loads its
+ * own. Ends with the block synchronised.
  * x is not staged in shared memory: every thread loads from L2 the values it sums and the four
  * it quantizes, all at once, and adds the eight warps' sums itself, so two block barriers order
  * it where a copy of x, its sums, one thread's total and the quantization took four. Measured
  * (H100, same lease, the stand-in above): x quantized 1.66 -> 1.44 us after the release, decode
  * 1896-1917 -> 1932-1940 tok/s at 512 keys, 1680-1688 -> 1699-1704 at 2560. */
-#define QC_QA_NORM_PASSES (QC_NORM_FUSE_MAX_COLS / 32 / (4 * QC_QA_WARPS))
-/* The block of 32 of x that lane `lane` of warp `warp` quantizes (with the seven lanes of its
- * group of eight) in pass p, and the lane's four norm weights of block b (zeros past nb blocks or
- * without norm_w). */
+/* The block of 32 of x that lane `lane` of warp `warp` (of W a block) quantizes (with the seven
+ * lanes of its group of eight) in pass p, and the lane's four norm weights of block b (zeros past
+ * nb blocks or without norm_w). */
+template <int W>
 __device__ __forceinline__ int qc_qa_norm_block(int warp, int lane, int p) {
-    return 4 * warp + 4 * QC_QA_WARPS * p + (lane >> 3);
+    return 4 * warp + 4 * W * p + (lane >> 3);
 }
 __device__ __forceinline__ void qc_qa_norm_w4(const float *norm_w, int b, int lane, int nb, float (&w)[4]) {
 #pragma unroll
     for (int k = 0; k < 4; k++) w[k] = norm_w && b < nb ? __ldg(norm_w + 32 * b + 4 * (lane & 7) + k) : 0.0f;
 }
+template <int W>
 __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float *norm_w, const float (&w)[4],
                                                     int dim, float eps, int8_t *qs, float2 *ds, float *norm_tmp) {
+    constexpr int passes = QC_NORM_FUSE_MAX_COLS / 32 / (4 * W);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane & 7, nb = dim / 32;
     /* the first pass's values, loaded beside the sums' */
-    const int b_first = qc_qa_norm_block(warp, lane, 0);
+    const int b_first = qc_qa_norm_block<W>(warp, lane, 0);
     float4 v = b_first < nb ? __ldcg((const float4 *)(x + 32 * b_first + 4 * sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
     float scale = 1.0f;
     if (norm_w) {
@@ -155,8 +181,8 @@ __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float 
         scale = qc_norm_scale_of_warps(norm_tmp, dim, eps);
     }
 #pragma unroll
-    for (int p = 0; p < QC_QA_NORM_PASSES; p++) {
-        const int b0 = qc_qa_norm_block(warp, 0, p), b = qc_qa_norm_block(warp, lane, p);   /* (b0: lane 0's) */
+    for (int p = 0; p < passes; p++) {
+        const int b0 = qc_qa_norm_block<W>(warp, 0, p), b = qc_qa_norm_block<W>(warp, lane, p);   /* (b0: lane 0's) */
         if (b0 >= nb) break;   /* whole warps */
         float wp[4] = {w[0], w[1], w[2], w[3]};
         if (p > 0) {
@@ -172,10 +198,11 @@ __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float 
     __syncthreads();
 }
 
-template <int G, typename KV, int HD>
-__global__ void __launch_bounds__(QC_QA_THREADS)
+template <int G, typename KV, int HD, int C>
+__global__ void __launch_bounds__(qc_qa_shape<C>::threads, qc_qa_shape<C>::min_blocks)
 qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using S = qc_qa_shape<C>;
     constexpr int half = HD / 2;
     constexpr int ITEMS = (3 * half + QC_QA_CLUSTER_WARPS - 1) / QC_QA_CLUSTER_WARPS;   /* row pairs a warp */
     constexpr int pub_floats = (QC_ATT_SPLIT_THREADS / G) * (2 + HD);
@@ -187,14 +214,14 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     float *region = qn + 3 * HD;
     int8_t *xs_qs = (int8_t *)region;
     float2 *xs_ds = qc_q8x_ds_at(xs_qs, 1, P.dim);
-    float *pub = region, *parts = region + QC_ATT_CLUSTER_SPLITS * pub_floats;
+    float *pub = region, *parts = region + S::splits * pub_floats;
 
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
     const unsigned rank = cluster.block_rank();   /* = blockIdx.y: the cluster spans the grid's y */
     const int h = blockIdx.x, group_heads = P.n_head / P.n_head_kv, kvh = h / group_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int sub = threadIdx.x / QC_ATT_SPLIT_THREADS, tid = threadIdx.x % QC_ATT_SPLIT_THREADS;
-    const int split = (int)rank * QC_ATT_CLUSTER_SPLITS + sub;
+    const int split = (int)rank * S::splits + sub;
     const bool writes_kv = h % group_heads == 0;   /* the KV head's first cluster */
     const KV *k_cache = (const KV *)P.k_cache, *v_cache = (const KV *)P.v_cache;
     const int kv_dim = P.n_head_kv * HD;
@@ -214,7 +241,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     const uint8_t *row_a[ITEMS], *row_b[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
-        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        const int it = (int)rank * S::warps + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
         cs[k] = make_double2(1.0, 0.0);
         bias_a[k] = bias_b[k] = 0.0f;
         if (it >= 3 * half) continue;
@@ -232,20 +259,20 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
         }
     }
     float norm_w[4];   /* the first pass's (qc_qa_norm_quantize) */
-    qc_qa_norm_w4(P.norm_w, qc_qa_norm_block(warp, lane, 0), lane, P.dim / 32, norm_w);
+    qc_qa_norm_w4(P.norm_w, qc_qa_norm_block<S::warps>(warp, lane, 0), lane, P.dim / 32, norm_w);
     qc_grid_start();
     /* the angles: from the step's first launch (read here, used after the dot products), or
      * computed above by this one, which leaves them for the others */
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
-        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        const int it = (int)rank * S::warps + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
         if (it >= 3 * half || which == 2 || lane != 0) continue;
         if (P.rope_read) cs[k] = __ldcg(P.rope_cs + i);
         else if (h == 0 && which == 0) P.rope_cs[i] = cs[k];
     }
 
     /* 2. x normalised and quantized, in every block */
-    qc_qa_norm_quantize(P.x, P.norm_w, norm_w, P.dim, P.eps, xs_qs, xs_ds, norm_tmp);
+    qc_qa_norm_quantize<S::warps>(P.x, P.norm_w, norm_w, P.dim, P.eps, xs_qs, xs_ds, norm_tmp);
     const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};
 
     /* 3. the rows: both of a pair in one loop (qc_gemv_q8_row2: each row qc_gemv_q8_row_slice's
@@ -253,7 +280,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     float ya[ITEMS], yb[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
-        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half;
+        const int it = (int)rank * S::warps + warp + k * QC_QA_CLUSTER_WARPS, which = it / half;
         ya[k] = yb[k] = 0.0f;
         if (it >= 3 * half) continue;
         const qc_qa_w &w = P.w[which];
@@ -266,13 +293,13 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     float2 y[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
-        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        const int it = (int)rank * S::warps + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
         if (it >= 3 * half) continue;
         y[k] = which < 2 ? qc_rope_apply(ya[k], yb[k], cs[k]) : make_float2(ya[k], yb[k]);   /* lane 0's */
         y[k].x = __shfl_sync(0xffffffffu, y[k].x, 0);
         y[k].y = __shfl_sync(0xffffffffu, y[k].y, 0);
         /* lane b stores into block b */
-        if (lane < QC_ATT_CLUSTER) {
+        if (lane < C) {
             if (which == 0) {
                 float *to = cluster.map_shared_rank(qn, lane);
                 to[i] = y[k].x;
@@ -290,7 +317,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
-        const int it = (int)rank * QC_QA_WARPS + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
+        const int it = (int)rank * S::warps + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
         if (it >= 3 * half || lane != 0 || (which > 0 && !writes_kv)) continue;
         const int64_t r = (int64_t)(which == 0 ? h : kvh) * HD + i;
         float *out = P.w[which].out;
@@ -305,12 +332,24 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 
     /* 4. the attention: this block's splits, then the cluster's merge in block 0 */
-    qc_att_split_partial<G, KV, true, QC_ATT_HELD, true>(qn, k_cache, v_cache, pos, h, split, QC_ATT_SPLITS, 0,
-                                                         P.n_head, P.n_head_kv, HD, P.scale, parts + split * (HD + 2),
-                                                         pub + sub * pub_floats, tid, &held, kn, vn);
+    qc_att_split_partial<G, KV, QC_ATT_AHEAD_KEYS, QC_ATT_HELD, true>(
+        qn, k_cache, v_cache, pos, h, split, QC_ATT_SPLITS, 0, P.n_head, P.n_head_kv, HD, P.scale,
+        parts + split * (HD + 2), pub + sub * pub_floats, tid, &held, kn, vn);
     __syncthreads();   /* this block's partials complete */
-    qc_att_cluster_merge<HD>(parts, rank, h, P.out, P.out_qs, P.out_ds, weight);
+    qc_att_cluster_merge<HD, S::splits>(parts, rank, h, P.out, P.out_qs, P.out_ds, weight);
 #endif
+}
+
+/* The cluster size of a launch for n_head heads (qc_qa_shape): 16 where the backend's creation
+ * found the wide clusters schedulable (qc_cuda_qkv_attention_init) and the GPU holds at least as
+ * many of them at once as of eight for this grid (never more waves), or QWENCUDA_ATT_CLUSTER asks
+ * for 16; else 8. */
+static int qa_cluster(const qc_cuda *cu, int head_dim, int kv, int n_head) {
+    const int *most = cu->qa_most[head_dim == 128][kv == QC_KV_F32];
+    if (most[1] <= 0 || cu->qa_cluster_want == QC_ATT_CLUSTER) return QC_ATT_CLUSTER;
+    if (cu->qa_cluster_want == QC_QA_CLUSTER_WIDE) return QC_QA_CLUSTER_WIDE;
+    const int narrow = n_head < most[0] ? n_head : most[0];
+    return most[0] > 0 && most[1] >= narrow ? QC_QA_CLUSTER_WIDE : QC_ATT_CLUSTER;
 }
 
 /* Whether one token's qkv_attention runs the one launch (else the two ops): the cluster
@@ -330,14 +369,62 @@ static int qa_takes(qc_backend *be, const qc_matmul_part *qkv, int n, int n_kv, 
         return 0;
     for (int i = 0; i < 3; i++)
         if (qkv[i].w->rows != rows[i] || qkv[i].w->cols != dim || !qc_cuda_gemv_q8(be, qkv[i].w->type, dim)) return 0;
-    return qa_smem_bytes(G, head_dim, dim) <= QC_SHARED_COPY_MAX;
+    return qa_smem_bytes(G, head_dim, dim, qa_cluster(cu, head_dim, cache.type, n_head)) <= QC_SHARED_COPY_MAX;
 }
 
-template <typename KV>
+template <typename KV, int C>
 static void launch(const qc_cuda *cu, const qc_qa_params &p, int head_dim, size_t smem) {
-    const dim3 grid((unsigned)p.n_head, QC_ATT_CLUSTER, 1), block(QC_QA_THREADS), cluster(1, QC_ATT_CLUSTER, 1);
-    if (head_dim == 64) qc_launch_ex(cu, qc_qkv_attention_kernel<16, KV, 64>, grid, block, smem, cluster, p);
-    else qc_launch_ex(cu, qc_qkv_attention_kernel<32, KV, 128>, grid, block, smem, cluster, p);
+    const dim3 grid((unsigned)p.n_head, C, 1), block(qc_qa_shape<C>::threads), cluster(1, C, 1);
+    if (head_dim == 64) qc_launch_ex(cu, qc_qkv_attention_kernel<16, KV, 64, C>, grid, block, smem, cluster, p);
+    else qc_launch_ex(cu, qc_qkv_attention_kernel<32, KV, 128, C>, grid, block, smem, cluster, p);
+}
+
+/* How many clusters of C blocks of qc_qkv_attention_kernel<G, KV, HD, C> the GPU holds at once
+ * (*most; 0 where it takes none, or where the query or, for 16, the attribute that allows a
+ * non-portable size failed: that size is then never launched). The shared memory of the largest
+ * x the launch takes. */
+template <int G, typename KV, int HD, int C>
+static void qa_most_clusters(int *most) {
+    void (*kernel)(const qc_qa_params) = qc_qkv_attention_kernel<G, KV, HD, C>;
+    *most = 0;
+    if (C > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+        cudaGetLastError();
+        return;
+    }
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 1;
+    attr.val.clusterDim.y = C;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(64, C, 1);
+    cfg.blockDim = dim3(qc_qa_shape<C>::threads);
+    cfg.dynamicSmemBytes = qa_smem_bytes(G, HD, QC_NORM_FUSE_MAX_COLS, C);
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(most, kernel, &cfg) != cudaSuccess) {
+        cudaGetLastError();
+        *most = 0;
+    }
+}
+
+template <int G, typename KV, int HD>
+static void qa_most_both(int (&most)[2]) {
+    qa_most_clusters<G, KV, HD, QC_ATT_CLUSTER>(&most[0]);
+    qa_most_clusters<G, KV, HD, QC_QA_CLUSTER_WIDE>(&most[1]);
+}
+
+void qc_cuda_qkv_attention_init(qc_backend *be) {
+    qc_cuda *cu = qc_cuda_of(be);
+    const char *want = getenv("QWENCUDA_ATT_CLUSTER");
+    cu->qa_cluster_want = want && strcmp(want, "8") == 0 ? QC_ATT_CLUSTER
+                          : want && strcmp(want, "16") == 0 ? QC_QA_CLUSTER_WIDE : 0;
+    memset(cu->qa_most, 0, sizeof cu->qa_most);
+    if (!cu->clusters || !cu->qkv_attention) return;
+    qa_most_both<16, __half, 64>(cu->qa_most[0][0]);
+    qa_most_both<16, float, 64>(cu->qa_most[0][1]);
+    qa_most_both<32, __half, 128>(cu->qa_most[1][0]);
+    qa_most_both<32, float, 128>(cu->qa_most[1][1]);
 }
 
 int qc_cuda_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,
@@ -379,9 +466,15 @@ int qc_cuda_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float
     p.out = out;
     p.out_qs = (int8_t *)cu->q8x;
     p.out_ds = qc_q8x_ds_at(cu->q8x, 1, q_dim);
-    const size_t smem = qa_smem_bytes(qc_att_group_lanes(head_dim), head_dim, dim);
-    if (cache.type == QC_KV_F16) launch<__half>(cu, p, head_dim, smem);
-    else launch<float>(cu, p, head_dim, smem);
+    const int C = qa_cluster(cu, head_dim, cache.type, n_head);
+    const size_t smem = qa_smem_bytes(qc_att_group_lanes(head_dim), head_dim, dim, C);
+    if (C == QC_QA_CLUSTER_WIDE) {
+        if (cache.type == QC_KV_F16) launch<__half, QC_QA_CLUSTER_WIDE>(cu, p, head_dim, smem);
+        else launch<float, QC_QA_CLUSTER_WIDE>(cu, p, head_dim, smem);
+    } else {
+        if (cache.type == QC_KV_F16) launch<__half, QC_ATT_CLUSTER>(cu, p, head_dim, smem);
+        else launch<float, QC_ATT_CLUSTER>(cu, p, head_dim, smem);
+    }
     if (QC_LAUNCHED(be, "qc_qkv_attention_kernel") < 0) return -1;
     /* out's 8-bit form is in q8x, as the attention op leaves it (x_from_last_op, backend.h) */
     cu->q8x_of = out;

@@ -268,6 +268,37 @@ def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("hold", ["1", "0"])
+@pytest.mark.parametrize("config,n_prompt", [("tiny-hd64", 1500), ("tiny-hd128", 1600)])
+def test_keys_in_flight_change_no_bit(synth_dir, config, n_prompt, hold, monkeypatch):
+    """The cluster kernels' groups load the K and V of the next QC_ATT_AHEAD_KEYS keys (two) while
+    they compute one (kernels/qc_attention.cuh, qc_att_keys_ahead's ring of registers); the split
+    kernel that a backend made with QWENCUDA_CLUSTERS=0 runs keeps one in flight. The keys are
+    taken in the same order with the same arithmetic and the splits merged in the same order, so a
+    3-token eval and the decode steps after it must give the same logits bit for bit. 1500 keys
+    (head_dim 64: 5 or 6 a group) and 1600 (head_dim 128: 12 or 13 a group), with the first two
+    held before the wait and without (QWENCUDA_ATTENTION_HOLD=0: every key through the ring), so
+    that groups end the ring on either of its slots. A slot taken out of turn, or a key loaded
+    into one slot and read from the other, would differ. Taken on sm_90+ only (clusters)."""
+    if qwencuda.kernels.cuda_device_info(0)["compute_capability"] < (9, 0):
+        pytest.skip("the cluster kernels are taken on sm_90+ only")
+    path = synth(synth_dir, config, "q8_0")
+    ids = [int(t) for t in _ids(n_prompt + 12, 400, seed=37)]
+    monkeypatch.setenv("QWENCUDA_ATTENTION_HOLD", hold)
+
+    def run():
+        with qwencuda.Model(path, device="cuda") as m, m.session(max_context=n_prompt + 16) as s:
+            s.prefill(ids[:n_prompt], logits=None)
+            out = [s.prefill(ids[n_prompt:n_prompt + 3], logits="all").logits]
+            return out + [s.step(t).logits for t in ids[n_prompt + 3:]]
+
+    monkeypatch.setenv("QWENCUDA_CLUSTERS", "0")
+    split = run()
+    monkeypatch.delenv("QWENCUDA_CLUSTERS")
+    for a, b in zip(run(), split):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("config,weight_type", [("tiny-gqa7", "q4_k_m"), ("tiny-hd64", "q8_0"), ("tiny-hd128", "q5_0")])
 def test_read_ahead_changes_no_bit(synth_dir, config, weight_type, monkeypatch):
     """The forward pass hints gate and up to the o projection and the next layer's q, k and v to

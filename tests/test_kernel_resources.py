@@ -58,7 +58,7 @@ DECODE_KERNELS = [
     ("matmul.cu", r"_Z26qc_gemv_q8_add_norm_kernel", 6),        # the o projection
     ("matmul.cu", r"_Z14qc_gemv_kernelILi\d+ELi1E", 20),        # one token: the down projection, q/k/v
     ("matmul_swiglu.cu", r"_Z30qc_gemv_q8_swiglu_q8out_kernel", 6),   # gate/up
-    ("qkv_attention.cu", r"_Z23qc_qkv_attention_kernel", 4),    # the attention norm .. attention
+    ("qkv_attention.cu", r"_Z23qc_qkv_attention_kernel", 8),    # the attention norm .. attention: 2 sizes
 ]
 
 

@@ -4,7 +4,8 @@ launch and read by the later layers') against the same step with matmul_qkv_rope
 two ops (QWENCUDA_QKV_ATTENTION=0, read when a model's backend is made). The launch computes every
 value with the two ops' device functions in their order, so the logits must be equal bit for bit
 (tolerance 0): recorded and replayed or eager (QWENCUDA_NO_GRAPHS=1), every weight type with an
-8-bit GEMV, head_dim 64 and 128, both cache types; greedy and sampled tokens then follow, with the
+8-bit GEMV, head_dim 64 and 128, both cache types, clusters of 8 and 16 blocks
+(QWENCUDA_ATT_CLUSTER); greedy and sampled tokens then follow, with the
 next step queued on the device (feed_draw moves the position the angles were read for). Needs the
 GPU machine."""
 import os
@@ -22,18 +23,21 @@ pytestmark = pytest.mark.gpu
 Q8_TYPES = ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "q4_k_m"]
 
 
-def _model(path, monkeypatch, one_launch):
-    """The model on CUDA, its backend made with the one launch on or off."""
+def _model(path, monkeypatch, one_launch, cluster=None):
+    """The model on CUDA, its backend made with the one launch on or off (and its clusters of
+    `cluster` blocks, QWENCUDA_ATT_CLUSTER, where given)."""
     with monkeypatch.context() as mp:
         mp.setenv("QWENCUDA_QKV_ATTENTION", "1" if one_launch else "0")
+        if cluster:
+            mp.setenv("QWENCUDA_ATT_CLUSTER", cluster)
         return qc.Model(path, device="cuda")
 
 
-def _logits(path, monkeypatch, ids, n_prompt, kv_type, graphs):
+def _logits(path, monkeypatch, ids, n_prompt, kv_type, graphs, cluster=None):
     """Logits of every step after an n_prompt-token prefill, with and without the one launch."""
     out = []
     for one_launch in (True, False):
-        with _model(path, monkeypatch, one_launch) as m:
+        with _model(path, monkeypatch, one_launch, cluster) as m:
             with monkeypatch.context() as mp:
                 if not graphs:
                     mp.setenv("QWENCUDA_NO_GRAPHS", "1")
@@ -58,40 +62,68 @@ def test_step_equals_the_two_ops(tmp_path, monkeypatch, config, weight_type, kv_
         np.testing.assert_array_equal(with_launch, two_ops)
 
 
-def _launch_ran(path, monkeypatch, ids, n_prompt):
-    """Whether a decode step of the model with the one launch on ran qc_qkv_attention_kernel, as
-    the CUDA profiler (torch.profiler, CUPTI) sees it; None without torch. Eager steps
+def _launch_ran(path, monkeypatch, ids, n_prompt, kernel="qc_qkv_attention_kernel", cluster=None):
+    """Whether a decode step of the model with the one launch on ran a kernel whose name holds
+    `kernel`, as the CUDA profiler (torch.profiler, CUPTI) sees it; None without torch. Eager steps
     (QWENCUDA_NO_GRAPHS=1), so that each kernel shows as itself."""
-    with _model(path, monkeypatch, True) as m:
+    with _model(path, monkeypatch, True, cluster) as m:
         with monkeypatch.context() as mp:
             mp.setenv("QWENCUDA_NO_GRAPHS", "1")
             s = m.session(max_context=96)
         with s:
             s.prefill(ids[:n_prompt])
-            return cuda_kernel_ran(lambda: s.step(int(ids[n_prompt])), "qc_qkv_attention_kernel")
+            return cuda_kernel_ran(lambda: s.step(int(ids[n_prompt])), kernel)
 
 
-# x's norm in the one launch quantizes four blocks of 32 a warp, 4 * 16 a pass (qkv_attention.cu,
-# qc_qa_norm_quantize): dim 832 (26 blocks: a warp with two blocks past the end) and dim 2176
-# (68 blocks: a second pass, which loads its values and weights after the wait)
+# head_dim -> the kernel's template arguments before the cluster size (G lanes a key, the f16 cache)
+_KERNEL_OF = {"tiny-hd64": "qc_qkv_attention_kernel<16, __half, 64, ",
+              "tiny-hd128": "qc_qkv_attention_kernel<32, __half, 128, "}
+
+
+@pytest.mark.parametrize("cluster", ["8", "16"])
+@pytest.mark.parametrize("weight_type", ["q5_0", "q4_k"])
+@pytest.mark.parametrize("config", ["tiny-hd64", "tiny-hd128"])
+def test_both_cluster_sizes(tmp_path, monkeypatch, config, weight_type, cluster):
+    """Clusters of 8 blocks of 512 threads and of 16 blocks of 256 (QWENCUDA_ATT_CLUSTER, read when
+    the backend is made; both schedulable on the H100 and H200): the same rows per warp and the
+    same splits, so the logits equal the two ops' bit for bit, recorded and eager; and the profiler
+    sees the launch of that size (where torch is present), not the other."""
+    path = str(tmp_path / "m.gguf")
+    testing.write_model(path, config=config, weight_type=weight_type)
+    ids = np.random.default_rng(13).integers(0, 400, size=24)
+    for graphs in (True, False):
+        with_launch, two_ops = _logits(path, monkeypatch, ids, 6, "f16", graphs, cluster)
+        np.testing.assert_array_equal(with_launch, two_ops)
+    other = "16" if cluster == "8" else "8"
+    kernel = _KERNEL_OF[config]
+    assert _launch_ran(path, monkeypatch, ids, 6, kernel + cluster + ">", cluster) in (True, None)
+    assert _launch_ran(path, monkeypatch, ids, 6, kernel + other + ">", cluster) in (False, None)
+
+
+# x's norm in the one launch quantizes four blocks of 32 a warp, 4 * 16 a pass in blocks of 16 warps
+# (clusters of 8), 4 * 8 in blocks of 8 (clusters of 16) (qkv_attention.cu, qc_qa_norm_quantize):
+# dim 832 (26 blocks: a warp with two blocks past the end) and dim 2176 (68 blocks: a second pass,
+# and a third of 8 warps, which load their values and weights after the wait)
 NORM_SHAPES = {
     "hd64-dim832": dict(n_vocab=400, dim=832, n_layer=2, n_head=13, n_head_kv=1, ffn_dim=256),
     "hd128-dim2176": dict(n_vocab=400, dim=2176, n_layer=2, n_head=17, n_head_kv=1, ffn_dim=256),
 }
 
 
+@pytest.mark.parametrize("cluster", ["8", "16"])
 @pytest.mark.parametrize("weight_type", ["q8_0", "q5_0"])
 @pytest.mark.parametrize("shape", list(NORM_SHAPES))
-def test_step_equals_the_two_ops_norm_shapes(tmp_path, monkeypatch, shape, weight_type):
-    """The norm's partial warp and second pass: the logits equal the two ops' bit for bit, and the
-    one launch ran (the profiler, where torch is present: else the comparison could not fail)."""
+def test_step_equals_the_two_ops_norm_shapes(tmp_path, monkeypatch, shape, weight_type, cluster):
+    """The norm's partial warp and later passes, in blocks of either size: the logits equal the two
+    ops' bit for bit, and the one launch ran (the profiler, where torch is present: else the
+    comparison could not fail)."""
     path = str(tmp_path / "m.gguf")
     testing.write_model(path, config=NORM_SHAPES[shape], weight_type=weight_type)
     ids = np.random.default_rng(12).integers(0, 400, size=24)
     for graphs in (True, False):
-        with_launch, two_ops = _logits(path, monkeypatch, ids, 6, "f16", graphs)
+        with_launch, two_ops = _logits(path, monkeypatch, ids, 6, "f16", graphs, cluster)
         np.testing.assert_array_equal(with_launch, two_ops)
-    assert _launch_ran(path, monkeypatch, ids, 6) in (True, None)
+    assert _launch_ran(path, monkeypatch, ids, 6, "qc_qkv_attention_kernel", cluster) in (True, None)
 
 
 def test_qwen05b_greedy_and_sampled_tokens(tmp_path, monkeypatch):
