@@ -106,7 +106,7 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
  * 0.2 us of HBM time. The cluster kernels take QC_ATT_AHEAD_KEYS; attention.cu's split kernel
  * one (two spilled in some of its instantiations). */
 #ifndef QC_ATT_AHEAD_KEYS
-#define QC_ATT_AHEAD_KEYS 2
+#define QC_ATT_AHEAD_KEYS 1
 #endif
 template <int G, typename KV, int D>
 __device__ __forceinline__ void qc_att_keys_ahead(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v,
