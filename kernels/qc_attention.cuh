@@ -99,12 +99,16 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
  * them beside q's), the later ones it loads itself. The keys are taken in qc_att_keys' order with
  * its arithmetic (the same bits at any depth); the kernels with fewer registers to spare (the
  * exact one of 1024 threads, the persistent decode kernel) take qc_att_keys.
- * Why two: past the keys held before the wait (QC_ATT_HELD, all of them up to 512 keys at
- * head_dim 64) a group walks its keys one L2 round trip each with one in flight. 2560 keys cost
- * the real 0.5B file's step 79 us more than 512 (H200, report 20261201-321c15f: 1839-1845 against
- * 2154-2159 tok/s), 3.3 us a layer for a group's 8 more keys, where their 1 MB of K and V is
- * 0.2 us of HBM time. The cluster kernels take QC_ATT_AHEAD_KEYS; attention.cu's split kernel
- * one (two spilled in some of its instantiations). */
+ * QC_ATT_AHEAD_KEYS keys in flight in the cluster kernels, one in attention.cu's split kernel (two
+ * spilled in some of its instantiations).
+ * Measured and not kept: two. Past the keys held before the wait (QC_ATT_HELD: all of them up to
+ * 512 keys at head_dim 64) a group walks its keys one L2 round trip each, and 2560 keys cost the
+ * real 0.5B file's step 79 us more than 512 (3.3 us a layer for a group's 8 more keys, where their
+ * 1 MB of K and V is 0.2 us of HBM time). Two in flight (H200, real file, one lease, report
+ * 20261201-1546b11, addendum): beside the 16-block clusters 2157.2-2167.0 tok/s at 512 keys against
+ * 2161.5-2183.2 with one, and 1876.7-1887.2 at 2560 against 1875.3-1882.5; beside clusters of 8,
+ * 2138.0-2147.9 against 2154.2-2168.4 at 512 keys (962814b), 1854.1-1858.7 against 1843.7-1852.9
+ * at 2560. The same registers (ptxas: the kernels' peak is before the attention). */
 #ifndef QC_ATT_AHEAD_KEYS
 #define QC_ATT_AHEAD_KEYS 1
 #endif
@@ -459,8 +463,11 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim, int CS = QC_ATT_
  * 20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
  * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
  * thread) -3.5%; a copy of the keys into 96 KB of shared memory 1669-1686 tok/s at 512 keys,
- * against 1750 before it in the session's other leases (the blocks placed later).
- * QWENCUDA_ATTENTION_HOLD=0 holds none, to compare: the same bits. */
+ * against 1750 before it in the session's other leases (the blocks placed later). Beside
+ * qkv_attention.cu's 16-block clusters (H200, the synthetic 0.5B Q4_K_M, six alternating runs in
+ * one lease, report 20261201-1546b11, addendum): 4 keys (123 registers a thread, no spill)
+ * 2147.2-2163.0 tok/s at 512 keys against 2167.0-2182.4 with 2, 1874.4-1886.5 at 2560 against
+ * 1877.6-1887.2. QWENCUDA_ATTENTION_HOLD=0 holds none, to compare: the same bits. */
 #define QC_ATT_HELD 2
 
 /* Whether the cluster kernels take this head_dim (the two of Qwen2, with their G). */

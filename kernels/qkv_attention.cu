@@ -75,9 +75,11 @@
  * is placed only where eight SMs of a GPC have nearly emptied of the down projection's blocks
  * (report 20261201-e14199c, addendum: the last blocks reach their wait 0.86 us after the first
  * release, and each cluster waits for its last). Half the block fits beside more of them.
- * Measured at 2bcb4b0 (H200, real file; report 20261201-3112744, addendum), compile-time 16:
- * decode 2074.6-2090.8 -> 2087.7-2103.5 tok/s at 512 keys, 1791.2-1796.5 -> 1808.7-1816.8 at
- * 2560. */
+ * Measured (H200, real file, three alternating rounds in one lease; report 20261201-1546b11,
+ * addendum): QWENCUDA_ATT_CLUSTER=8 against the choice (16 there) 2142.9-2151.3 -> 2174.8-2180.1
+ * tok/s at 512 keys, 1840.9-1843.4 -> 1866.5-1877.0 at 2560; 962814b, before it, 2148.5-2166.1 and
+ * 1837.9-1846.8. (At 2bcb4b0, as a compile-time 16: 2074.6-2090.8 -> 2087.7-2103.5 and
+ * 1791.2-1796.5 -> 1808.7-1816.8; report 20261201-3112744, addendum.) */
 #define QC_QA_CLUSTER_WARPS (QC_ATT_SPLITS * QC_ATT_SPLIT_THREADS / 32)
 #define QC_QA_CLUSTER_WIDE 16
 template <int C>

@@ -270,16 +270,17 @@ def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
 
 @pytest.mark.parametrize("hold", ["1", "0"])
 @pytest.mark.parametrize("config,n_prompt", [("tiny-hd64", 1500), ("tiny-hd128", 1600)])
-def test_keys_in_flight_change_no_bit(synth_dir, config, n_prompt, hold, monkeypatch):
-    """The cluster kernels' groups load the K and V of the next QC_ATT_AHEAD_KEYS keys (two) while
-    they compute one (kernels/qc_attention.cuh, qc_att_keys_ahead's ring of registers); the split
-    kernel that a backend made with QWENCUDA_CLUSTERS=0 runs keeps one in flight. The keys are
-    taken in the same order with the same arithmetic and the splits merged in the same order, so a
-    3-token eval and the decode steps after it must give the same logits bit for bit. 1500 keys
-    (head_dim 64: 5 or 6 a group) and 1600 (head_dim 128: 12 or 13 a group), with the first two
-    held before the wait and without (QWENCUDA_ATTENTION_HOLD=0: every key through the ring), so
-    that groups end the ring on either of its slots. A slot taken out of turn, or a key loaded
-    into one slot and read from the other, would differ. Taken on sm_90+ only (clusters)."""
+def test_cluster_attention_equals_the_split_kernel(synth_dir, config, n_prompt, hold, monkeypatch):
+    """The decode attention of the cluster kernels (kernels/attention.cu's, and qkv_attention.cu's
+    one launch) against the split kernel that a backend made with QWENCUDA_CLUSTERS=0 runs: the
+    same keys a group in the same order with the same arithmetic, the splits merged in the same
+    order, so a 3-token eval and the decode steps after it must give the same logits bit for bit.
+    Long enough that every group walks a loop after its held keys: 1500 keys (head_dim 64: 5 or 6 a
+    group) and 1600 (head_dim 128: 12 or 13 a group), with the first two held before the wait and
+    without (QWENCUDA_ATTENTION_HOLD=0: every key through qc_att_keys_ahead). With more keys in
+    flight in the cluster kernels (QC_ATT_AHEAD_KEYS, kernels/qc_attention.cuh: a ring of register
+    slots), a slot taken out of turn, or a key loaded into one slot and read from another, would
+    differ here. Taken on sm_90+ only (clusters)."""
     if qwencuda.kernels.cuda_device_info(0)["compute_capability"] < (9, 0):
         pytest.skip("the cluster kernels are taken on sm_90+ only")
     path = synth(synth_dir, config, "q8_0")
