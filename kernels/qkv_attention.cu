@@ -389,7 +389,8 @@ template <int G, typename KV, int HD, int C>
 static void qa_most_clusters(int *most) {
     void (*kernel)(const qc_qa_params) = qc_qkv_attention_kernel<G, KV, HD, C>;
     *most = 0;
-    if (C > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    if (C > QC_ATT_CLUSTER &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
         cudaGetLastError();
         return;
     }
