@@ -144,9 +144,9 @@ qc_attention_cluster_kernel(const float *__restrict__ q, const KV *__restrict__ 
     qc_att_prefetch_keys<G, KV>(k_cache, v_cache, last, h, split, QC_ATT_SPLITS, n_head, n_head_kv, HD, tid,
                                 hold ? QC_ATT_HELD : 0);
     qc_grid_start();
-    qc_att_split_partial<G, KV, QC_ATT_AHEAD_KEYS, QC_ATT_HELD>(q, k_cache, v_cache, last, h, split, QC_ATT_SPLITS, t,
-                                                                n_head, n_head_kv, HD, scale, parts + split * (HD + 2),
-                                                                smem + sub * pub_floats, tid, &held);
+    qc_att_split_partial<G, KV, true, QC_ATT_HELD>(q, k_cache, v_cache, last, h, split, QC_ATT_SPLITS, t, n_head,
+                                                   n_head_kv, HD, scale, parts + split * (HD + 2),
+                                                   smem + sub * pub_floats, tid, &held);
     __syncthreads();   /* this block's partials complete */
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
     qc_att_cluster_merge<HD>(parts, rank, (int64_t)t * n_head + h, out, out_qs, out_ds, weight);

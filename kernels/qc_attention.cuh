@@ -92,63 +92,38 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
     }
 }
 
-/* The same loop with the K and V of the D keys after this one loaded into registers before this
- * key's arithmetic, so that it is not a chain of load latencies (the
- * split-K decode kernel of a 3B layer took 11 us at 512 keys on the H100 without it); key
- * `first`'s rows are already in k_next, v_next, loaded by the caller (qc_att_split_partial issues
- * them beside q's), the later ones it loads itself. The keys are taken in qc_att_keys' order with
- * its arithmetic (the same bits at any depth); the kernels with fewer registers to spare (the
- * exact one of 1024 threads, the persistent decode kernel) take qc_att_keys.
- * QC_ATT_AHEAD_KEYS keys in flight in the cluster kernels, one in attention.cu's split kernel (two
- * spilled in some of its instantiations).
- * Measured and not kept: two. Past the keys held before the wait (QC_ATT_HELD: all of them up to
- * 512 keys at head_dim 64) a group walks its keys one L2 round trip each, and 2560 keys cost the
- * real 0.5B file's step 79 us more than 512 (3.3 us a layer for a group's 8 more keys, where their
- * 1 MB of K and V is 0.2 us of HBM time). Two in flight (H200, real file, one lease, report
- * 20261201-1546b11, addendum): beside the 16-block clusters 2157.2-2167.0 tok/s at 512 keys against
- * 2161.5-2183.2 with one, and 1876.7-1887.2 at 2560 against 1875.3-1882.5; beside clusters of 8,
- * 2138.0-2147.9 against 2154.2-2168.4 at 512 keys (962814b), 1854.1-1858.7 against 1843.7-1852.9
- * at 2560. The same registers (ptxas: the kernels' peak is before the attention). */
-#ifndef QC_ATT_AHEAD_KEYS
-#define QC_ATT_AHEAD_KEYS 1
-#endif
-template <int G, typename KV, int D>
+/* The same loop with each next key's K and V loaded into registers before this key's
+ * arithmetic, so that it is not a chain of load latencies (the split-K decode kernel of a 3B
+ * layer took 11 us at 512 keys on the H100 without it); key `first`'s rows are already in
+ * k_next, v_next, loaded by the caller (qc_att_split_partial issues them beside q's). The
+ * arithmetic is qc_att_keys'; the kernels with fewer registers to spare (the exact one of 1024
+ * threads, the persistent decode kernel) take qc_att_keys.
+ * Measured and not kept: two keys in flight (a ring of two register slots, the same keys in the
+ * same order). Past the keys held before the wait (QC_ATT_HELD: all of them up to 512 keys at
+ * head_dim 64) a group walks its keys one L2 round trip each, and 2560 keys cost the real 0.5B
+ * file's step 79 us more than 512, where their 1 MB of K and V a layer is 0.2 us of HBM time. Yet
+ * two in flight (H200, real file, one lease, report 20261201-1546b11, addendum) gave, beside the
+ * 16-block clusters, 2157.2-2167.0 tok/s at 512 keys against 2161.5-2183.2 with one and
+ * 1876.7-1887.2 at 2560 against 1875.3-1882.5; beside clusters of 8, 2138.0-2147.9 against
+ * 2154.2-2168.4 at 512 keys (962814b) and 1854.1-1858.7 against 1843.7-1852.9 at 2560. */
+template <int G, typename KV>
 __device__ __forceinline__ void qc_att_keys_ahead(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v,
                                                   int kv_dim, int head_dim, float scale, int first, int stride,
                                                   int last, unsigned gmask, int lane, float &m, float &l,
-                                                  float (&acc)[QC_ATT_MAXD], const KV (&k_next)[QC_ATT_MAXD],
-                                                  const KV (&v_next)[QC_ATT_MAXD]) {
-    static_assert(D >= 1, "at least the next key");
-    /* ring slot r: key j + r * stride of the round at j (its loads clamped to `last`, unused past
-     * it: unconditional, since rows loaded under a branch were waited for where it joined, before
-     * this key's arithmetic) */
-    KV kq[D][QC_ATT_MAXD], vq[D][QC_ATT_MAXD];
+                                                  float (&acc)[QC_ATT_MAXD], KV (&k_next)[QC_ATT_MAXD],
+                                                  KV (&v_next)[QC_ATT_MAXD]) {
+    for (int j = first; j <= last; j += stride) {
+        KV kr[QC_ATT_MAXD], vr[QC_ATT_MAXD];
 #pragma unroll
-    for (int i = 0; i < QC_ATT_MAXD; i++) {
-        kq[0][i] = k_next[i];
-        vq[0][i] = v_next[i];
-    }
-    if (last < 0) return;   /* no key in the cache (qc_att_split_partial's NEW at key 0) */
-#pragma unroll
-    for (int r = 1; r < D; r++)
-        qc_att_load_kv<G, KV>(k, v, first + r * stride <= last ? first + r * stride : last, kv_dim, head_dim, lane,
-                              kq[r], vq[r]);
-    for (int j = first; j <= last; j += D * stride) {
-#pragma unroll
-        for (int r = 0; r < D; r++) {
-            const int jr = j + r * stride;
-            if (r > 0 && jr > last) break;
-            KV kr[QC_ATT_MAXD], vr[QC_ATT_MAXD];
-#pragma unroll
-            for (int i = 0; i < QC_ATT_MAXD; i++) {
-                kr[i] = kq[r][i];
-                vr[i] = vq[r][i];
-            }
-            const int ahead = jr + D * stride;
-            qc_att_load_kv<G, KV>(k, v, ahead <= last ? ahead : last, kv_dim, head_dim, lane, kq[r], vq[r]);
-            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(kr[i]); }, [&](int i) { return qc_kv_float(vr[i]); },
-                          jr, head_dim, scale, gmask, lane, nullptr, 0, m, l, acc);
+        for (int i = 0; i < QC_ATT_MAXD; i++) {
+            kr[i] = k_next[i];
+            vr[i] = v_next[i];
         }
+        /* unconditional (past `last`: key `last` again, unused): loaded under a branch, the
+         * next key's rows were waited for where it joined, before this key's arithmetic */
+        qc_att_load_kv<G, KV>(k, v, j + stride <= last ? j + stride : last, kv_dim, head_dim, lane, k_next, v_next);
+        qc_att_key<G>(qr, [&](int i) { return qc_kv_float(kr[i]); }, [&](int i) { return qc_kv_float(vr[i]); },
+                      j, head_dim, scale, gmask, lane, nullptr, 0, m, l, acc);
     }
 }
 
@@ -312,14 +287,14 @@ __device__ __forceinline__ void qc_att_held_load(qc_att_held<KV, R> &held, const
  * then every splits * groups keys up to last_key, merged into one unnormalised partial
  * (m, l, acc[head_dim]) in mine (global or shared memory). pub: groups * (2 + head_dim) floats
  * of shared memory for this split's groups. Every thread of the block calls it (it synchronises
- * the block). AHEAD > 0: qc_att_keys_ahead with AHEAD keys in flight, else qc_att_keys. held
- * (R > 0): the group's first keys from registers (qc_att_held_load), the rest from the cache; the
- * same keys in the same order, the same bits.
+ * the block). AHEAD: qc_att_keys_ahead, else qc_att_keys. held (R > 0): the group's first keys
+ * from registers (qc_att_held_load), the rest from the cache; the same keys in the same order, the
+ * same bits.
  * NEW (one token, qkv_attention.cu): q is the head's query in shared memory, and key last_key,
  * which this launch computes and another cluster writes into the cache, comes from new_k and
  * new_v (this KV head's rows in shared memory, as the cache holds them) instead: it is the last
  * key of the group that takes it, so it is still taken last, with the same arithmetic. */
-template <int G, typename KV, int AHEAD, int R = 0, bool NEW = false>
+template <int G, typename KV, bool AHEAD, int R = 0, bool NEW = false>
 __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k_cache, const KV *v_cache,
                                                      int last_key, int h, int split, int splits, int t,
                                                      int n_head, int n_head_kv, int head_dim, float scale,
@@ -349,7 +324,7 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
      * lease: 1794-1810 -> 1805-1819 tok/s at 512 keys, even at 2560 (1577-1591 -> 1580-1589);
      * 57 registers a thread instead of 49 (bench/results/20261124-e49438a-*, addendum). */
     KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
-    if constexpr (AHEAD > 0) {
+    if constexpr (AHEAD) {
         /* (NEW at key 0: no key in the cache, nothing to load) */
         if (!NEW || last_key >= 0)
             qc_att_load_kv<G, KV>(k, v, rest <= last_key ? rest : last_key, kv_dim, head_dim, lane, k_next, v_next);
@@ -362,9 +337,9 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
                           [&](int i) { return qc_kv_float(held->v[r][i]); }, sh.first + r * sh.stride, head_dim,
                           scale, gmask, lane, nullptr, 0, m, l, acc);
     }
-    if constexpr (AHEAD > 0)
-        qc_att_keys_ahead<G, KV, AHEAD>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, m, l,
-                                        acc, k_next, v_next);
+    if constexpr (AHEAD)
+        qc_att_keys_ahead<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, m, l, acc,
+                                 k_next, v_next);
     else
         qc_att_keys<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr, 0, m, l,
                            acc);
@@ -401,7 +376,7 @@ __device__ __forceinline__ void qc_att_split_block(const float *q, const KV *k_c
                                                    float *weight, int *last_block) {
     const int64_t pair = (int64_t)t * n_head + h;
     float *mine = part + (pair * splits + split) * (head_dim + 2);
-    qc_att_split_partial<G, KV, AHEAD ? 1 : 0>(q, k_cache, v_cache, last_key, h, split, splits, t, n_head, n_head_kv,
+    qc_att_split_partial<G, KV, AHEAD>(q, k_cache, v_cache, last_key, h, split, splits, t, n_head, n_head_kv,
                                        head_dim, scale, mine, smem, (int)threadIdx.x);
 
     /* publish the partial, then count it; the block that counts last merges them all */

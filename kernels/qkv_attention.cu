@@ -334,7 +334,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 
     /* 4. the attention: this block's splits, then the cluster's merge in block 0 */
-    qc_att_split_partial<G, KV, QC_ATT_AHEAD_KEYS, QC_ATT_HELD, true>(
+    qc_att_split_partial<G, KV, true, QC_ATT_HELD, true>(
         qn, k_cache, v_cache, pos, h, split, QC_ATT_SPLITS, 0, P.n_head, P.n_head_kv, HD, P.scale,
         parts + split * (HD + 2), pub + sub * pub_floats, tid, &held, kn, vn);
     __syncthreads();   /* this block's partials complete */

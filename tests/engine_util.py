@@ -1,7 +1,7 @@
 """Helpers shared by the engine tests (test_model, test_session, test_engine_vs_reference,
-test_real_model_engine; nvcc for test_step_stamps and test_kernel_resources): synthetic model files cached per test run, error measures, a
-trace-vs-trace comparison that names the first tensor out of tolerance, the CUDA kernels a
-call ran, and nvcc on a kernel file."""
+test_real_model_engine; nvcc for test_step_stamps and test_kernel_resources): synthetic model
+files cached per test run, error measures, a trace-vs-trace comparison that names the first
+tensor out of tolerance, the CUDA kernels a call ran, and nvcc on a kernel file."""
 import atexit
 import os
 import shutil

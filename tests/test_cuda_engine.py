@@ -239,6 +239,16 @@ def test_weights_in_shared_memory_change_no_bit(synth_dir, config, weight_type, 
         np.testing.assert_array_equal(a, b)
 
 
+def _long_eval_logits(path, ids, n_prompt):
+    """Logits of a fresh CUDA model (its backend made now, under the environment's switches): a
+    prefill of n_prompt tokens, a 3-token eval (each token with the others' new keys past its own
+    position), then a decode step for each id after those."""
+    with qwencuda.Model(path, device="cuda") as m, m.session(max_context=n_prompt + 16) as s:
+        s.prefill(ids[:n_prompt], logits=None)
+        out = [s.prefill(ids[n_prompt:n_prompt + 3], logits="all").logits]
+        return out + [s.step(t).logits for t in ids[n_prompt + 3:]]
+
+
 @pytest.mark.parametrize("config,n_prompt", [("tiny-hd64", 21), ("tiny-hd64", 600), ("tiny-hd128", 1600)])
 def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
     """The decode attention's cluster blocks load the K and V rows of their groups' first keys
@@ -255,16 +265,10 @@ def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
     path = synth(synth_dir, config, "q8_0")
     ids = [int(t) for t in _ids(n_prompt + 12, 400, seed=29)]
 
-    def run():
-        with qwencuda.Model(path, device="cuda") as m, m.session(max_context=n_prompt + 16) as s:
-            s.prefill(ids[:n_prompt], logits=None)
-            out = [s.prefill(ids[n_prompt:n_prompt + 3], logits="all").logits]
-            return out + [s.step(t).logits for t in ids[n_prompt + 3:]]
-
     monkeypatch.setenv("QWENCUDA_ATTENTION_HOLD", "0")
-    plain = run()
+    plain = _long_eval_logits(path, ids, n_prompt)
     monkeypatch.delenv("QWENCUDA_ATTENTION_HOLD")
-    for a, b in zip(run(), plain):
+    for a, b in zip(_long_eval_logits(path, ids, n_prompt), plain):
         np.testing.assert_array_equal(a, b)
 
 
@@ -277,26 +281,18 @@ def test_cluster_attention_equals_the_split_kernel(synth_dir, config, n_prompt, 
     order, so a 3-token eval and the decode steps after it must give the same logits bit for bit.
     Long enough that every group walks a loop after its held keys: 1500 keys (head_dim 64: 5 or 6 a
     group) and 1600 (head_dim 128: 12 or 13 a group), with the first two held before the wait and
-    without (QWENCUDA_ATTENTION_HOLD=0: every key through qc_att_keys_ahead). With more keys in
-    flight in the cluster kernels (QC_ATT_AHEAD_KEYS, kernels/qc_attention.cuh: a ring of register
-    slots), a slot taken out of turn, or a key loaded into one slot and read from another, would
-    differ here. Taken on sm_90+ only (clusters)."""
+    without (QWENCUDA_ATTENTION_HOLD=0: every key through qc_att_keys_ahead). A key taken out of
+    turn, or a split merged out of order, would differ here. Taken on sm_90+ only (clusters)."""
     if qwencuda.kernels.cuda_device_info(0)["compute_capability"] < (9, 0):
         pytest.skip("the cluster kernels are taken on sm_90+ only")
     path = synth(synth_dir, config, "q8_0")
     ids = [int(t) for t in _ids(n_prompt + 12, 400, seed=37)]
     monkeypatch.setenv("QWENCUDA_ATTENTION_HOLD", hold)
 
-    def run():
-        with qwencuda.Model(path, device="cuda") as m, m.session(max_context=n_prompt + 16) as s:
-            s.prefill(ids[:n_prompt], logits=None)
-            out = [s.prefill(ids[n_prompt:n_prompt + 3], logits="all").logits]
-            return out + [s.step(t).logits for t in ids[n_prompt + 3:]]
-
     monkeypatch.setenv("QWENCUDA_CLUSTERS", "0")
-    split = run()
+    split = _long_eval_logits(path, ids, n_prompt)
     monkeypatch.delenv("QWENCUDA_CLUSTERS")
-    for a, b in zip(run(), split):
+    for a, b in zip(_long_eval_logits(path, ids, n_prompt), split):
         np.testing.assert_array_equal(a, b)
 
 
