@@ -162,8 +162,9 @@ static void launch_cluster(int G, int head_dim, dim3 grid, const qc_cuda *cu, co
     grid.y = QC_ATT_CLUSTER;
     const size_t smem = qc_att_cluster_floats(G, head_dim) * sizeof(float);
 #define QC_CLUSTER_ARGS_ q, k_cache, v_cache, pos, n_head, n_head_kv, scale, out, out_qs, out_ds, cu->att_hold
-    if (head_dim == 64) qc_launch_ex(cu, qc_attention_cluster_kernel<16, KV, 64>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
-    else qc_launch_ex(cu, qc_attention_cluster_kernel<32, KV, 128>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
+    constexpr int G64 = qc_att_group_lanes(64), G128 = qc_att_group_lanes(128);
+    if (head_dim == 64) qc_launch_ex(cu, qc_attention_cluster_kernel<G64, KV, 64>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
+    else qc_launch_ex(cu, qc_attention_cluster_kernel<G128, KV, 128>, grid, block, smem, cluster, QC_CLUSTER_ARGS_);
 #undef QC_CLUSTER_ARGS_
 }
 
@@ -175,12 +176,13 @@ static void launch_split(int G, dim3 grid, size_t smem, const qc_cuda *cu, const
                          float2 *out_ds) {
     const dim3 block(QC_ATT_SPLIT_THREADS);
 #define QC_SPLIT_ARGS_ q, k_cache, v_cache, pos, n_head, n_head_kv, head_dim, scale, part, done, out, out_qs, out_ds
-    if (G == 16 && head_dim == 64) {
-        qc_launch(cu, qc_attention_split_kernel<16, KV, 64>, grid, block, smem, QC_SPLIT_ARGS_);
+    constexpr int G64 = qc_att_group_lanes(64), G128 = qc_att_group_lanes(128);
+    if (G == G64 && head_dim == 64) {
+        qc_launch(cu, qc_attention_split_kernel<G64, KV, 64>, grid, block, smem, QC_SPLIT_ARGS_);
         return;
     }
-    if (G == 32 && head_dim == 128) {
-        qc_launch(cu, qc_attention_split_kernel<32, KV, 128>, grid, block, smem, QC_SPLIT_ARGS_);
+    if (G == G128 && head_dim == 128) {
+        qc_launch(cu, qc_attention_split_kernel<G128, KV, 128>, grid, block, smem, QC_SPLIT_ARGS_);
         return;
     }
     switch (G) {

@@ -369,11 +369,10 @@ static const void *dec_kernel(void) {
 /* The kernel for this plan's head_dim and cache type, or NULL. */
 static const void *dec_kernel_for(const qc_decode_plan *p) {
     const int f16 = p->layers[0].kv.type == QC_KV_F16;
-    switch (qc_att_group_lanes(p->head_dim)) {
-    case 16: return f16 ? dec_kernel<16, __half>() : dec_kernel<16, float>();
-    case 32: return f16 ? dec_kernel<32, __half>() : dec_kernel<32, float>();
-    default: return NULL;
-    }
+    constexpr int G64 = qc_att_group_lanes(64), G128 = qc_att_group_lanes(128);
+    if (p->head_dim == 64) return f16 ? dec_kernel<G64, __half>() : dec_kernel<G64, float>();
+    if (p->head_dim == 128) return f16 ? dec_kernel<G128, __half>() : dec_kernel<G128, float>();
+    return NULL;
 }
 
 /* Blocks of the grid: QC_DEC_BLOCKS_PER_SM on every SM, all resident at once (the cooperative

@@ -171,10 +171,15 @@ __device__ __forceinline__ float qc_att_merged(const float *smem, int groups, in
 static_assert(QC_ATT_SPLITS <= 32, "the merge keeps one split per lane");
 
 /* Lanes per key group, G: the smallest power of two with G * QC_ATT_MAXD >= head_dim, at least
- * head_dim / 4, so a lane holds about four dimensions (64 -> 16 lanes per key, 128 -> 32). */
-static inline int qc_att_group_lanes(int head_dim) {
+ * head_dim / QC_ATT_LANE_DIMS, so a lane holds about QC_ATT_LANE_DIMS dimensions (8: 64 -> 8 lanes
+ * a key, 128 -> 16). Every kernel of this file's attention takes this G, so all give the same bits.
+ * Why eight, not four: past the keys held in registers before the wait, a group walks its keys
+ * one L2 round trip each, and half the lanes a key is twice the groups, so half the keys a group.
+ * Measured: qkv_attention.cu's header. */
+#define QC_ATT_LANE_DIMS 8
+static constexpr int qc_att_group_lanes(int head_dim) {
     int G = 1;
-    while (G < 32 && (G * QC_ATT_MAXD < head_dim || 4 * G < head_dim)) G *= 2;
+    while (G < 32 && (G * QC_ATT_MAXD < head_dim || QC_ATT_LANE_DIMS * G < head_dim)) G *= 2;
     return G;
 }
 
@@ -432,9 +437,11 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim, int CS = QC_ATT_
  * positions were written by earlier evals, not by any kernel of this one (only its new keys' rows
  * are: the q/k/v kernel just before, or qkv_attention.cu's launch itself), and every kernel before
  * the one before has finished when a kernel launches (qc_grid_start lets the next launch only
- * after its own wait). So each group loads the rows of its first QC_ATT_HELD keys (of every 256
- * at head_dim 64: all of them up to 512 keys) while the kernel before still runs, and after the wait its loop starts with them
- * instead of with a round trip to L2. H100, real 0.5B file, one lease (bench/results/
+ * after its own wait). So each group loads the rows of its first QC_ATT_HELD keys while the kernel
+ * before still runs, and after the wait its loop starts with them instead of with a round trip to
+ * L2: eight dimensions of K and V a lane (the registers measured below), one key at eight
+ * dimensions a lane (QC_ATT_LANE_DIMS), two at four; at head_dim 64 a key of every 512 (32
+ * splits of 16 groups), so all of them up to 512 keys. H100, real 0.5B file, one lease (bench/results/
  * 20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
  * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
  * thread) -3.5%; a copy of the keys into 96 KB of shared memory 1669-1686 tok/s at 512 keys,
@@ -443,11 +450,12 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim, int CS = QC_ATT_
  * one lease, report 20261201-1546b11, addendum): 4 keys (123 registers a thread, no spill)
  * 2147.2-2163.0 tok/s at 512 keys against 2167.0-2182.4 with 2, 1874.4-1886.5 at 2560 against
  * 1877.6-1887.2. QWENCUDA_ATTENTION_HOLD=0 holds none, to compare: the same bits. */
-#define QC_ATT_HELD 2
+#define QC_ATT_HELD (8 / QC_ATT_LANE_DIMS)
+static_assert(QC_ATT_HELD >= 1, "a key held at least");
 
 /* Whether the cluster kernels take this head_dim (the two of Qwen2, with their G). */
 static inline int qc_att_cluster_takes(int G, int head_dim) {
-    return (G == 16 && head_dim == 64) || (G == 32 && head_dim == 128);
+    return (head_dim == 64 || head_dim == 128) && G == qc_att_group_lanes(head_dim);
 }
 
 /* The end of a cluster's attention, after every block's partials are complete in its own shared

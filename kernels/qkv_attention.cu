@@ -377,8 +377,9 @@ static int qa_takes(qc_backend *be, const qc_matmul_part *qkv, int n, int n_kv, 
 template <typename KV, int C>
 static void launch(const qc_cuda *cu, const qc_qa_params &p, int head_dim, size_t smem) {
     const dim3 grid((unsigned)p.n_head, C, 1), block(qc_qa_shape<C>::threads), cluster(1, C, 1);
-    if (head_dim == 64) qc_launch_ex(cu, qc_qkv_attention_kernel<16, KV, 64, C>, grid, block, smem, cluster, p);
-    else qc_launch_ex(cu, qc_qkv_attention_kernel<32, KV, 128, C>, grid, block, smem, cluster, p);
+    constexpr int G64 = qc_att_group_lanes(64), G128 = qc_att_group_lanes(128);
+    if (head_dim == 64) qc_launch_ex(cu, qc_qkv_attention_kernel<G64, KV, 64, C>, grid, block, smem, cluster, p);
+    else qc_launch_ex(cu, qc_qkv_attention_kernel<G128, KV, 128, C>, grid, block, smem, cluster, p);
 }
 
 /* How many clusters of C blocks of qc_qkv_attention_kernel<G, KV, HD, C> the GPU holds at once
@@ -424,10 +425,11 @@ void qc_cuda_qkv_attention_init(qc_backend *be) {
                           : want && strcmp(want, "16") == 0 ? QC_QA_CLUSTER_WIDE : 0;
     memset(cu->qa_most, 0, sizeof cu->qa_most);
     if (!cu->clusters || !cu->qkv_attention) return;
-    qa_most_both<16, __half, 64>(cu->qa_most[0][0]);
-    qa_most_both<16, float, 64>(cu->qa_most[0][1]);
-    qa_most_both<32, __half, 128>(cu->qa_most[1][0]);
-    qa_most_both<32, float, 128>(cu->qa_most[1][1]);
+    constexpr int G64 = qc_att_group_lanes(64), G128 = qc_att_group_lanes(128);
+    qa_most_both<G64, __half, 64>(cu->qa_most[0][0]);
+    qa_most_both<G64, float, 64>(cu->qa_most[0][1]);
+    qa_most_both<G128, __half, 128>(cu->qa_most[1][0]);
+    qa_most_both<G128, float, 128>(cu->qa_most[1][1]);
 }
 
 int qc_cuda_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,

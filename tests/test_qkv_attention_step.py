@@ -9,6 +9,7 @@ value with the two ops' device functions in their order, so the logits must be e
 next step queued on the device (feed_draw moves the position the angles were read for). Needs the
 GPU machine."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -17,6 +18,8 @@ import qwencuda as qc
 from qwencuda import testing
 
 from engine_util import cuda_kernel_ran
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.gpu
 
@@ -75,9 +78,12 @@ def _launch_ran(path, monkeypatch, ids, n_prompt, kernel="qc_qkv_attention_kerne
             return cuda_kernel_ran(lambda: s.step(int(ids[n_prompt])), kernel)
 
 
-# head_dim -> the kernel's template arguments before the cluster size (G lanes a key, the f16 cache)
-_KERNEL_OF = {"tiny-hd64": "qc_qkv_attention_kernel<16, __half, 64, ",
-              "tiny-hd128": "qc_qkv_attention_kernel<32, __half, 128, "}
+# head_dim -> the kernel's template arguments before the cluster size (G lanes a key, the f16 cache);
+# G = head_dim / QC_ATT_LANE_DIMS (kernels/qc_attention.cuh, qc_att_group_lanes)
+_LANE_DIMS = int(re.search(r"#define QC_ATT_LANE_DIMS (\d+)",
+                           open(os.path.join(ROOT, "kernels", "qc_attention.cuh")).read()).group(1))
+_KERNEL_OF = {"tiny-hd64": f"qc_qkv_attention_kernel<{64 // _LANE_DIMS}, __half, 64, ",
+              "tiny-hd128": f"qc_qkv_attention_kernel<{128 // _LANE_DIMS}, __half, 128, "}
 
 
 @pytest.mark.parametrize("cluster", ["8", "16"])
