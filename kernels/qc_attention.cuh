@@ -171,12 +171,14 @@ __device__ __forceinline__ float qc_att_merged(const float *smem, int groups, in
 static_assert(QC_ATT_SPLITS <= 32, "the merge keeps one split per lane");
 
 /* Lanes per key group, G: the smallest power of two with G * QC_ATT_MAXD >= head_dim, at least
- * head_dim / QC_ATT_LANE_DIMS, so a lane holds about QC_ATT_LANE_DIMS dimensions (8: 64 -> 8 lanes
- * a key, 128 -> 16). Every kernel of this file's attention takes this G, so all give the same bits.
- * Why eight, not four: past the keys held in registers before the wait, a group walks its keys
- * one L2 round trip each, and half the lanes a key is twice the groups, so half the keys a group.
- * Measured: qkv_attention.cu's header. */
-#define QC_ATT_LANE_DIMS 8
+ * head_dim / QC_ATT_LANE_DIMS, so a lane holds about QC_ATT_LANE_DIMS dimensions (4: 64 -> 16 lanes
+ * a key, 128 -> 32). Every kernel of this file's attention takes this G, so all give the same bits.
+ * Measured and not kept: eight dimensions a lane (8 lanes a key at head_dim 64: twice the groups,
+ * half the keys a group, one key held: qkv_attention.cu's 16-block kernel kept its 102 registers),
+ * to shorten the walk past the held keys at long contexts. H200, real file, three alternating
+ * rounds in one lease (report 20261201-f8bbdbe, addendum): 2054.3-2057.1 tok/s at 512 keys against
+ * 2169.8-2178.9, and 1808.6-1823.3 at 2560 against 1873.8-1879.7: slower at both. */
+#define QC_ATT_LANE_DIMS 4
 static constexpr int qc_att_group_lanes(int head_dim) {
     int G = 1;
     while (G < 32 && (G * QC_ATT_MAXD < head_dim || QC_ATT_LANE_DIMS * G < head_dim)) G *= 2;
@@ -439,9 +441,9 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim, int CS = QC_ATT_
  * the one before has finished when a kernel launches (qc_grid_start lets the next launch only
  * after its own wait). So each group loads the rows of its first QC_ATT_HELD keys while the kernel
  * before still runs, and after the wait its loop starts with them instead of with a round trip to
- * L2: eight dimensions of K and V a lane (the registers measured below), one key at eight
- * dimensions a lane (QC_ATT_LANE_DIMS), two at four; at head_dim 64 a key of every 512 (32
- * splits of 16 groups), so all of them up to 512 keys. H100, real 0.5B file, one lease (bench/results/
+ * L2: eight dimensions of K and V a lane (the registers measured below), so two keys at four
+ * dimensions a lane (QC_ATT_LANE_DIMS), one at eight; at head_dim 64 two keys of every 256 (32
+ * splits of 8 groups), so all of them up to 512 keys. H100, real 0.5B file, one lease (bench/results/
  * 20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
  * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
  * thread) -3.5%; a copy of the keys into 96 KB of shared memory 1669-1686 tok/s at 512 keys,

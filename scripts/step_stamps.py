@@ -12,9 +12,10 @@ This tool answers that, for a copy of the tree, without changing the tree itself
         body), and inner marks 4.. in the decode kernels (below). The backend writes the ring
         to the file $QC_STAMPS when it is destroyed. TREE/stamp_tags.txt names the kernels.
         Build TREE as usual (QWENCUDA_CUDA=1 python setup.py build_ext --inplace).
-    python scripts/step_stamps.py decode MODEL [STEPS]
+    python scripts/step_stamps.py decode MODEL [STEPS] [PROMPT]
         with the patched build first on sys.path and QC_STAMPS set: the bench's decode round
-        (qwencuda.bench), a 512-token prefill and STEPS (64) greedy steps.
+        (qwencuda.bench), a PROMPT-token prefill (512; the bench's depth 2048 is 2560 keys) and
+        STEPS (64) greedy steps.
     python scripts/step_stamps.py kernels DUMP TAGS [STEPS]
         per kernel of the last STEPS (8) decode steps, medians in us: crit (the next grid's
         first release minus this one's: its share of the step), gap (first release minus the
@@ -173,12 +174,12 @@ def patch(tree):
     print(f"{len(tags)} kernels stamped; names in {t / 'stamp_tags.txt'}")
 
 
-def decode(model, steps=64, device="cuda"):
-    """The bench's decode round (qwencuda.bench): a 512-token prefill, then steps greedy steps."""
+def decode(model, steps=64, prompt=512, device="cuda"):
+    """The bench's decode round (qwencuda.bench): a prompt-token prefill, then steps greedy steps."""
     import qwencuda
     from qwencuda.bench import _one_round
     with qwencuda.Model(model, device=device) as m:
-        _one_round(m, [(1000 + 7 * i) % m.config.n_vocab for i in range(512)], steps)
+        _one_round(m, [(1000 + 7 * i) % m.config.n_vocab for i in range(prompt)], steps)
 
 
 def load(dump, tags):
@@ -266,7 +267,7 @@ if __name__ == "__main__":
     cmd, args = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
     if cmd == "patch" and len(args) == 1:
         patch(args[0])
-    elif cmd == "decode" and 1 <= len(args) <= 2:
+    elif cmd == "decode" and 1 <= len(args) <= 3:
         decode(args[0], *map(int, args[1:]))
     elif cmd == "kernels" and 2 <= len(args) <= 3:
         kernels(args[0], args[1], *map(int, args[2:]))

@@ -258,8 +258,8 @@ def test_held_keys_change_no_bit(synth_dir, config, n_prompt, monkeypatch):
     bit-equal to a backend made with QWENCUDA_ATTENTION_HOLD=0 (every key from the cache). A
     held key that was another key, or one that this eval writes, would differ: a short eval of
     3 tokens (each with the others' new keys past its own position) and steps after it, at 21
-    keys (fewer than a group each), 600 (head_dim 64: one or two keys a group, one held) and
-    1600 (head_dim 128: six or seven a group, one held). Taken on sm_90+ only (clusters)."""
+    keys (fewer than a group each), 600 (head_dim 64: two or three keys a group, two held) and
+    1600 (head_dim 128: 12 or 13 a group, two held). Taken on sm_90+ only (clusters)."""
     if qwencuda.kernels.cuda_device_info(0)["compute_capability"] < (9, 0):
         pytest.skip("the held keys are taken on sm_90+ only")
     path = synth(synth_dir, config, "q8_0")
@@ -279,8 +279,8 @@ def test_cluster_attention_equals_the_split_kernel(synth_dir, config, n_prompt, 
     one launch) against the split kernel that a backend made with QWENCUDA_CLUSTERS=0 runs: the
     same keys a group in the same order with the same arithmetic, the splits merged in the same
     order, so a 3-token eval and the decode steps after it must give the same logits bit for bit.
-    Long enough that every group walks a loop after its held key: 1500 keys (head_dim 64: 2 or 3 a
-    group) and 1600 (head_dim 128: 6 or 7 a group), with the first held before the wait and
+    Long enough that every group walks a loop after its held keys: 1500 keys (head_dim 64: 5 or 6 a
+    group) and 1600 (head_dim 128: 12 or 13 a group), with the first two held before the wait and
     without (QWENCUDA_ATTENTION_HOLD=0: every key through qc_att_keys_ahead). A key taken out of
     turn, or a split merged out of order, would differ here. Taken on sm_90+ only (clusters)."""
     if qwencuda.kernels.cuda_device_info(0)["compute_capability"] < (9, 0):

@@ -55,6 +55,7 @@ def test_decode_runs_the_bench_round(tmp_path):
     from qwencuda.testing.writer import write_model
     path = write_model(tmp_path / "tiny.gguf", "tiny")
     step_stamps.decode(str(path), 3, device="cpu")
+    step_stamps.decode(str(path), 2, prompt=20, device="cpu")   # the prompt's length too
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
