@@ -15,63 +15,30 @@
 
 #define QC_ATT_MAXD 8        /* dimensions per lane: head_dim <= 8 * 32 = 256 */
 
-/* Lane k of a group of G lanes holds dimensions k D .. k D + D - 1 of the query, of each key's K
- * and V rows and of its share of the output, D = ceil(head_dim / G) (at most QC_ATT_MAXD): its
- * i-th value's dimension, or -1 past D or head_dim. Contiguous, so that a lane loads its four
- * values of a K or V row in one load where head_dim is 4 G (qc_att_load_kv): the decode step's
- * split-K attention walks its keys past the held ones at about 0.33 us a key (report
- * 20261201-8619ff6, stamps at 2560 keys), and with dimensions k, k + G, ... a lane issued four
- * 2-byte loads a row, where eight dimensions a lane (eight loads a row, twice the groups) walked
- * half the keys a group and was slower (QC_ATT_LANE_DIMS). */
-template <int G>
-__device__ __forceinline__ int qc_att_dim(int lane, int i, int head_dim) {
-    const int D = (head_dim + G - 1) / G;
-    const int d = lane * D + i;
-    return i < D && d < head_dim ? d : -1;
-}
-
-/* What one group of G lanes does in both kernels below: lane k holds its dimensions (qc_att_dim)
- * of the query and of its share of the output. SHARED: qv is in shared memory (qkv_attention.cu
- * computes q in the block), read by plain loads. */
+/* What one group of G lanes does in both kernels below: lane k holds dimensions k, k + G, ...
+ * (at most QC_ATT_MAXD) of the query and of its share of the output. SHARED: qv is in shared
+ * memory (qkv_attention.cu computes q in the block), read by plain loads. */
 template <int G, bool SHARED = false>
 __device__ __forceinline__ void qc_att_load_q(const float *qv, int head_dim, int lane,
                                               float (&qr)[QC_ATT_MAXD], float (&acc)[QC_ATT_MAXD]) {
 #pragma unroll
     for (int i = 0; i < QC_ATT_MAXD; i++) {
-        const int d = qc_att_dim<G>(lane, i, head_dim);
-        if constexpr (SHARED) qr[i] = d >= 0 ? qv[d] : 0.0f;
-        else qr[i] = d >= 0 ? __ldcg(qv + d) : 0.0f;
+        const int d = lane + i * G;
+        if constexpr (SHARED) qr[i] = d < head_dim ? qv[d] : 0.0f;
+        else qr[i] = d < head_dim ? __ldcg(qv + d) : 0.0f;
         acc[i] = 0.0f;
     }
 }
 
-/* Four values of a K or V row in one load (8 bytes of F16, 16 of F32; p aligned to it). */
-__device__ __forceinline__ void qc_kv_load4(const __half *p, __half (&r)[QC_ATT_MAXD]) {
-    const uint2 u = *(const uint2 *)p;   /* (little-endian: the lower half first) */
-    r[0] = __ushort_as_half((unsigned short)(u.x & 0xffffu)), r[1] = __ushort_as_half((unsigned short)(u.x >> 16));
-    r[2] = __ushort_as_half((unsigned short)(u.y & 0xffffu)), r[3] = __ushort_as_half((unsigned short)(u.y >> 16));
-}
-__device__ __forceinline__ void qc_kv_load4(const float *p, float (&r)[QC_ATT_MAXD]) {
-    const float4 u = *(const float4 *)p;
-    r[0] = u.x, r[1] = u.y, r[2] = u.z, r[3] = u.w;
-}
-
-/* This lane's dimensions of key j's K and V rows (k and v at that head in key 0's row): one load
- * a row where head_dim is 4 G (every lane four whole values: Qwen2's 64 and 128; a row of head
- * kvh starts at a multiple of head_dim values, so the four are aligned), else one a value. */
+/* This lane's dimensions of key j's K and V rows (k and v at that head in key 0's row). */
 template <int G, typename KV>
 __device__ __forceinline__ void qc_att_load_kv(const KV *k, const KV *v, int j, int kv_dim, int head_dim,
                                                int lane, KV (&kr)[QC_ATT_MAXD], KV (&vr)[QC_ATT_MAXD]) {
     const KV *kj = k + (int64_t)j * kv_dim, *vj = v + (int64_t)j * kv_dim;
-    if (head_dim == 4 * G) {
-        qc_kv_load4(kj + 4 * lane, kr);
-        qc_kv_load4(vj + 4 * lane, vr);
-        return;
-    }
 #pragma unroll
     for (int i = 0; i < QC_ATT_MAXD; i++) {
-        const int d = qc_att_dim<G>(lane, i, head_dim);
-        if (d >= 0) {
+        const int d = lane + i * G;
+        if (d < head_dim) {
             kr[i] = kj[d];
             vr[i] = vj[d];
         }
@@ -79,7 +46,7 @@ __device__ __forceinline__ void qc_att_load_kv(const KV *k, const KV *v, int j, 
 }
 
 /* One key j of a group's online softmax: the score of q (qr) against K, then m, l and acc
- * updated with V; kd(i) and vd(i) give this lane's i-th dimension (qc_att_dim) of the key's K and V
+ * updated with V; kd(i) and vd(i) give this lane's dimension lane + i * G of the key's K and V
  * rows as floats (straight from the cache, or from registers loaded ahead). When srow is not
  * NULL, lane 0 writes the scaled score (j < n_kv). */
 template <int G, class KD, class VD>
@@ -90,7 +57,8 @@ __device__ __forceinline__ void qc_att_key(const float (&qr)[QC_ATT_MAXD], KD kd
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < QC_ATT_MAXD; i++) {
-        if (qc_att_dim<G>(lane, i, head_dim) >= 0) s = fmaf(qr[i], kd(i), s);
+        const int d = lane + i * G;
+        if (d < head_dim) s = fmaf(qr[i], kd(i), s);
     }
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(gmask, s, off, G);
@@ -102,7 +70,8 @@ __device__ __forceinline__ void qc_att_key(const float (&qr)[QC_ATT_MAXD], KD kd
     l = l * corr + p;
 #pragma unroll
     for (int i = 0; i < QC_ATT_MAXD; i++) {
-        if (qc_att_dim<G>(lane, i, head_dim) >= 0) acc[i] = fmaf(p, vd(i), acc[i] * corr);
+        const int d = lane + i * G;
+        if (d < head_dim) acc[i] = fmaf(p, vd(i), acc[i] * corr);
     }
     m = m_new;
 }
@@ -117,10 +86,9 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
                                             int lane, float *srow, int n_kv, float &m, float &l,
                                             float (&acc)[QC_ATT_MAXD]) {
     for (int j = first; j <= last; j += stride) {
-        const KV *kr = k + (int64_t)j * kv_dim, *vr = v + (int64_t)j * kv_dim;
-        qc_att_key<G>(qr, [&](int i) { return qc_kv_get(kr + qc_att_dim<G>(lane, i, head_dim)); },
-                      [&](int i) { return qc_kv_get(vr + qc_att_dim<G>(lane, i, head_dim)); }, j, head_dim, scale,
-                      gmask, lane, srow, n_kv, m, l, acc);
+        const KV *kr = k + (int64_t)j * kv_dim + lane, *vr = v + (int64_t)j * kv_dim + lane;
+        qc_att_key<G>(qr, [&](int i) { return qc_kv_get(kr + i * G); }, [&](int i) { return qc_kv_get(vr + i * G); },
+                      j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
     }
 }
 
@@ -170,8 +138,8 @@ __device__ __forceinline__ float qc_att_publish(float *smem, int group, int grou
     if (lane == 0) { sm_m[group] = m; sm_l[group] = l; }
 #pragma unroll
     for (int i = 0; i < QC_ATT_MAXD; i++) {
-        const int d = qc_att_dim<G>(lane, i, head_dim);
-        if (d >= 0) sm_acc[group * head_dim + d] = acc[i];
+        const int d = lane + i * G;
+        if (d < head_dim) sm_acc[group * head_dim + d] = acc[i];
     }
     __syncthreads();
     float M = -INFINITY;
@@ -384,8 +352,8 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
                            acc);
     if constexpr (NEW) {
         if (new_key >= sh.first && (new_key - sh.first) % sh.stride == 0)
-            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(new_k[qc_att_dim<G>(lane, i, head_dim)]); },
-                          [&](int i) { return qc_kv_float(new_v[qc_att_dim<G>(lane, i, head_dim)]); }, new_key, head_dim, scale, gmask,
+            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(new_k[lane + i * G]); },
+                          [&](int i) { return qc_kv_float(new_v[lane + i * G]); }, new_key, head_dim, scale, gmask,
                           lane, nullptr, 0, m, l, acc);
     }
 

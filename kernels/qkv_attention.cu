@@ -87,10 +87,9 @@ struct qc_qa_shape {
     static constexpr int splits = QC_ATT_SPLITS / C;   /* a block's */
     static constexpr int threads = QC_ATT_SPLIT_THREADS * splits;
     static constexpr int warps = threads / 32;
-    /* an SM's blocks for __launch_bounds__: two of 256 threads (at most 128 registers), one of 512
-     * (asked for none, ptxas gave the head_dim-64 F16 kernel 64 registers and spills once the
-     * lanes' dimensions were contiguous, qc_att_dim) */
-    static constexpr int min_blocks = C == QC_ATT_CLUSTER ? 1 : 2;
+    /* an SM's blocks for __launch_bounds__: two of 256 threads (at most 128 registers); none asked
+     * for the 512-thread blocks (one an SM either way: the registers ptxas gave them before) */
+    static constexpr int min_blocks = C == QC_ATT_CLUSTER ? 0 : 2;
     static_assert(QC_ATT_SPLITS % C == 0 && C * warps == QC_QA_CLUSTER_WARPS, "a cluster's splits and warps");
     static_assert(threads >= QC_NORM_ROW_THREADS, "rmsnorm's sums: a thread each");
 };
