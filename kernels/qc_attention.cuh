@@ -105,7 +105,13 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
  * two in flight (H200, real file, one lease, report 20261201-1546b11, addendum) gave, beside the
  * 16-block clusters, 2157.2-2167.0 tok/s at 512 keys against 2161.5-2183.2 with one and
  * 1876.7-1887.2 at 2560 against 1875.3-1882.5; beside clusters of 8, 2138.0-2147.9 against
- * 2154.2-2168.4 at 512 keys (962814b) and 1854.1-1858.7 against 1843.7-1852.9 at 2560. */
+ * 2154.2-2168.4 at 512 keys (962814b) and 1854.1-1858.7 against 1843.7-1852.9 at 2560.
+ * Step stamps of 8619ff6 (report 20261201-8619ff6, addendum) put the walk at about 0.33 us a key:
+ * qkv_attention's partials are done 7.8-8.0 us after its release at 2560 keys, 5.3 at 512. Also
+ * measured and not kept there (three alternating rounds in one lease, against 8619ff6): a lane's
+ * four dimensions contiguous (lane k holding 4k .. 4k + 3, not k, k + G, ...), so that a K or V
+ * row came in one 8-byte load a lane instead of four of 2 bytes: 2159.8-2170.4 tok/s at 512 keys
+ * against 2168.3-2179.0, 1828.6-1836.0 at 2560 against 1867.7-1871.1. */
 template <int G, typename KV>
 __device__ __forceinline__ void qc_att_keys_ahead(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v,
                                                   int kv_dim, int head_dim, float scale, int first, int stride,
@@ -176,7 +182,7 @@ static_assert(QC_ATT_SPLITS <= 32, "the merge keeps one split per lane");
  * Measured and not kept: eight dimensions a lane (8 lanes a key at head_dim 64: twice the groups,
  * half the keys a group, one key held: qkv_attention.cu's 16-block kernel kept its 102 registers),
  * to shorten the walk past the held keys at long contexts. H200, real file, three alternating
- * rounds in one lease (report 20261201-f8bbdbe, addendum): 2054.3-2057.1 tok/s at 512 keys against
+ * rounds in one lease (report 20261201-8619ff6, addendum): 2054.3-2057.1 tok/s at 512 keys against
  * 2169.8-2178.9, and 1808.6-1823.3 at 2560 against 1873.8-1879.7: slower at both. */
 #define QC_ATT_LANE_DIMS 4
 static constexpr int qc_att_group_lanes(int head_dim) {
