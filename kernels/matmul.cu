@@ -602,7 +602,6 @@ int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n
 }
 
 /* matmul_draw (backend.h): the four-row kernel with its draw (qc_head_draw), where it takes w. */
-
 int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
                         float *logits, const void *state, void *result, int32_t *ids, int32_t *pos) {
     qc_cuda *cu = qc_cuda_of(be);

@@ -450,8 +450,8 @@ static inline size_t qc_att_cluster_floats(int G, int head_dim, int CS = QC_ATT_
  * L2: eight dimensions of K and V a lane (the registers measured below), so two keys at four
  * dimensions a lane (QC_ATT_LANE_DIMS), one at eight; at head_dim 64 two keys of every 256 (32
  * splits of 8 groups), so all of them up to 512 keys. H100, real 0.5B file, one lease
- * (bench/results/20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769 tok/s at 512
- * keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
+ * (bench/results/20261124-48cb5a4-*, addendum): 2 keys took decode from 1736-1755 to 1763-1769
+ * tok/s at 512 keys and 1547-1558 to 1552-1562 at 2560; 4 keys +0.5% at both; 8 keys (93 registers a
  * thread) -3.5%; a copy of the keys into 96 KB of shared memory 1669-1686 tok/s at 512 keys,
  * against 1750 before it in the session's other leases (the blocks placed later). Beside
  * qkv_attention.cu's 16-block clusters (H200, the synthetic 0.5B Q4_K_M, six alternating runs in
