@@ -50,10 +50,9 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     const int64_t r_first = S == 1 ? (int64_t)blockIdx.x * QC_GEMV_WARPS : r;
     /* SH: the block's rows copied into shared memory (qc_copy_to_shared), else asked of L2 */
     const uint8_t *W_rows = W + r_first * row_bytes;
-    qc_copy_edge edge = {nullptr, 0};
     if constexpr (SH) {
         const int64_t nr = rows - r_first < QC_GEMV_WARPS / S ? rows - r_first : QC_GEMV_WARPS / S;
-        W_rows = qc_copy_to_shared(w_shared, W_rows, nr * row_bytes, edge);
+        W_rows = qc_copy_to_shared(w_shared, W_rows, nr * row_bytes);
     } else {
         qc_gemv_prefetch(W, row_bytes, r_first, QC_GEMV_WARPS / S, rows);
     }
@@ -65,7 +64,7 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     qc_l2_ahead_issue(ahead);
     if (launch_next) qc_grid_launch_next();
     qc_grid_start();
-    if constexpr (SH) qc_copy_wait(edge);
+    if constexpr (SH) qc_copy_wait();
     if (r >= rows) return;   /* whole warps (S = 1) or the whole block (S > 1) leave together */
     float res[NT];
 #pragma unroll
@@ -118,13 +117,12 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r0 = (int64_t)blockIdx.x * QC_ADD_NORM_ROWS;
     const uint8_t *rows = W + r0 * row_bytes;
-    qc_copy_edge edge = {nullptr, 0};
-    if constexpr (SH) rows = qc_copy_to_shared(w_shared, rows, QC_ADD_NORM_ROWS * row_bytes, edge);
+    if constexpr (SH) rows = qc_copy_to_shared(w_shared, rows, QC_ADD_NORM_ROWS * row_bytes);
     else qc_prefetch_l2(rows, QC_ADD_NORM_ROWS * row_bytes);
     const float w = __ldg(norm_w + r0 + lane);   /* a weight: before the wait */
     qc_l2_ahead_issue(ahead);
     qc_grid_start();
-    if constexpr (SH) qc_copy_wait(edge);
+    if constexpr (SH) qc_copy_wait();
     const int64_t i = 4 * warp;   /* this warp's rows r0 + i .. r0 + i + 3 */
     const float res = residual[r0 + i + (lane & 3)];   /* lanes 0..3 keep theirs (epilogue) */
     const uint8_t *const four[4] = {rows + i * row_bytes, rows + (i + 1) * row_bytes, rows + (i + 2) * row_bytes,
@@ -261,10 +259,9 @@ qc_gemv_q8_rows4_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_
     const int nr = rows - r0 < QC_GEMV_ROWS4 ? (int)(rows - r0) : QC_GEMV_ROWS4;   /* < 1: no row */
     /* SH: the block's rows copied into shared memory, else asked of L2 */
     const uint8_t *W_rows = W + block_r0 * row_bytes;
-    qc_copy_edge edge = {nullptr, 0};
     if constexpr (SH) {
         const int64_t block_rows = rows - block_r0 < QC_ROWS4_ROWS ? rows - block_r0 : QC_ROWS4_ROWS;
-        W_rows = qc_copy_to_shared(w_shared, W_rows, block_rows * row_bytes, edge);
+        W_rows = qc_copy_to_shared(w_shared, W_rows, block_rows * row_bytes);
     } else {
         qc_gemv_prefetch(W, row_bytes, block_r0, QC_ROWS4_ROWS, rows);
     }
@@ -272,7 +269,7 @@ qc_gemv_q8_rows4_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_
     const float b_r = bias && lane < nr ? bias[r0 + lane] : 0.0f;
     qc_l2_ahead_issue(ahead);
     qc_grid_start();
-    if constexpr (SH) qc_copy_wait(edge);
+    if constexpr (SH) qc_copy_wait();
     if (!DRAW && nr < 1) return;   /* whole warps leave together (DRAW: all reach the draw's barrier) */
     unsigned long long key = 0;     /* DRAW: this lane's logit's (qc_draw_key) */
     if (nr >= 1) {

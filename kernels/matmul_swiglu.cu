@@ -115,16 +115,15 @@ qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__
     /* SH: the block's gate and up rows copied into shared memory (qc_copy_to_shared), else
      * asked of L2 */
     const uint8_t *g = Wg + r0 * row_bytes, *u = Wu + r0 * row_bytes;
-    qc_copy_edge edge_g = {nullptr, 0}, edge_u = {nullptr, 0};
     if constexpr (SH) {
-        g = qc_copy_to_shared(w_shared, g, bytes, edge_g);
-        u = qc_copy_to_shared(w_shared + qc_shared_copy_bytes(bytes), u, bytes, edge_u);
+        g = qc_copy_to_shared(w_shared, g, bytes);
+        u = qc_copy_to_shared(w_shared + qc_shared_copy_bytes(bytes), u, bytes);
     } else {
         qc_prefetch_l2(g, bytes);
         qc_prefetch_l2(u, bytes);
     }
     qc_grid_start();
-    if constexpr (SH) qc_copy_wait(edge_g, edge_u);
+    if constexpr (SH) qc_copy_wait();
     const int64_t i = 2 * warp;   /* this warp's rows r0 + i and r0 + i + 1 */
     const int64_t r = r0 + i;
     const uint8_t *const four[4] = {g + i * row_bytes, u + i * row_bytes, g + (i + 1) * row_bytes,

@@ -352,22 +352,16 @@ __device__ __forceinline__ void qc_grid_launch_next() {
  * qc_copy_to_shared copies global bytes [src, src + bytes) to shared memory at dst + (src % 16),
  * which it returns (the same 16-byte phase, so 16-byte copies line up; dst is 16-byte aligned
  * with bytes + 16 of room), by the block's threads: cp.async (sm_80+, no register holds the bytes)
- * for the aligned 16-byte pieces, plain loads for the few bytes before and after them, each into
- * a register of one thread (edge), stored by qc_copy_wait. Every thread calls it, and
- * qc_copy_wait with its edges before reading the copy.
- * Why the edge bytes wait in a register: a store of a loaded byte waits for the load, and before
- * qc_grid_start that held the warp from its wait while the load queued behind the grid's copies
- * in HBM. %globaltimer stamps of a real-file step (H200, 512 keys; bench/results/
- * 20261201-8619ff6-*): the down projection's 896 blocks reached the wait at most 0.1-0.25 us
- * after the grid's first release in its Q4_K layers (2736-byte rows, all 16-byte aligned), but
- * 1.7-2.2 us after it in its Q6_K layers (3990-byte rows, one in eight aligned), whose grids then
- * ended 2.7-3.1 us after their first release against 2.1-2.2. */
-struct qc_copy_edge {
-    uint8_t *at;   /* where this thread's byte goes, or NULL: none */
-    uint8_t byte;
-};
-__device__ __forceinline__ const uint8_t *qc_copy_to_shared(uint8_t *dst, const uint8_t *src, int64_t bytes,
-                                                             qc_copy_edge &edge) {
+ * for the aligned 16-byte pieces, plain loads for the few bytes before and after them. Every
+ * thread calls it, and qc_copy_wait before reading the copy.
+ * Measured and not kept (H200, real file, report 20261202-f31a03e-*, addendum): those edge bytes
+ * loaded into a register before the wait and stored after it, since a store waits for its load:
+ * step stamps had put the Q6_K down projection's last blocks (3990-byte rows, one in eight
+ * 16-byte aligned) at their wait up to 2 us after the grid's first release, its Q4_K layers'
+ * (aligned rows) within 0.25 us. With the change they came within 0.1-1.5 us and the grid's
+ * share of a stamped step fell 3.22 -> 3.02 us, but decode went 2156.2-2165.9 -> 2143.1-2151.8
+ * tok/s at 512 keys and 1864.2-1868.8 -> 1856.4-1863.0 at 2560 (three alternating rounds). */
+__device__ __forceinline__ const uint8_t *qc_copy_to_shared(uint8_t *dst, const uint8_t *src, int64_t bytes) {
     const uintptr_t s = (uintptr_t)src, lo = (s + 15) & ~(uintptr_t)15, hi = (s + (uintptr_t)bytes) & ~(uintptr_t)15;
     uint8_t *d = dst + (s & 15);
     const uintptr_t a = lo < s + (uintptr_t)bytes ? lo : s + (uintptr_t)bytes, b = hi > a ? hi : a;
@@ -381,21 +375,16 @@ __device__ __forceinline__ const uint8_t *qc_copy_to_shared(uint8_t *dst, const 
     }
     /* the head [s, a) and the tail [b, s + bytes): under 16 bytes each */
     const int head = (int)(a - s), tail = (int)(s + (uintptr_t)bytes - b);
-    const int t = (int)threadIdx.x;
-    const int64_t at = t < head ? t : t < head + tail ? (int64_t)(b - s) + (t - head) : -1;
-    edge.at = at >= 0 ? d + at : nullptr;
-    edge.byte = at >= 0 ? src[at] : 0;
+    if ((int)threadIdx.x < head) d[threadIdx.x] = src[threadIdx.x];
+    else if ((int)threadIdx.x < head + tail) d[(b - s) + (threadIdx.x - head)] = src[(b - s) + (threadIdx.x - head)];
     return d;
 }
 /* Shared memory for a copy of `bytes` (its 16-byte phase and rounding), and the most a kernel
  * takes without raising its limit. */
 __host__ __device__ static inline size_t qc_shared_copy_bytes(int64_t bytes) { return (size_t)((bytes + 16 + 15) / 16 * 16); }
 #define QC_SHARED_COPY_MAX (48u << 10)
-/* After qc_grid_start: this thread's edge bytes stored and its copies done, then every thread's
- * (the block's barrier). b: a second copy's edge. */
-__device__ __forceinline__ void qc_copy_wait(const qc_copy_edge &a, const qc_copy_edge &b = qc_copy_edge{nullptr, 0}) {
-    if (a.at) *a.at = a.byte;
-    if (b.at) *b.at = b.byte;
+/* After qc_grid_start: this thread's copies done, then every thread's (the block's barrier). */
+__device__ __forceinline__ void qc_copy_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
 #endif

@@ -12,12 +12,12 @@
  * How: the cluster attention's grid (attention.cu; qc_attention.cuh, "split-K in thread-block
  * clusters"): a cluster of C blocks per query head h (8, or 16 where the GPU takes them:
  * qc_qa_shape), QC_ATT_SPLITS / C splits a block.
- *   1. Before the wait: the position's load, this warp's weight rows asked of L2 (unless the
- *      matmul before, the down projection, asked for all of q, k and v: read_ahead, session.c),
- *      its biases, and in the step's first launch its RoPE angles.
+ *   1. Before the wait: the held keys (below the position: earlier evals wrote them), this
+ *      warp's weight rows asked of L2 (unless the matmul before, the down projection, asked for
+ *      all of q, k and v: read_ahead, session.c), its biases, and in the step's first launch its
+ *      RoPE angles.
  *   2. Every block normalises x and quantizes it to 8 bits in its shared memory
- *      (qc_norm_quantize_q8_kernel's bits: rmsnorm's 256 sums, reduced in the same order); then
- *      its held keys (below the position: earlier evals wrote them) are loaded.
+ *      (qc_norm_quantize_q8_kernel's bits: rmsnorm's 256 sums, reduced in the same order).
  *   3. The cluster's warps compute the 3 * head_dim rows head h needs, a pair of rows (i and
  *      i + head_dim / 2 of q, k or v) a warp, the q and k pairs rotated (matmul_qkv_rope's dot
  *      products, bias, angle and rotation: the same bits), and store them into every block of
@@ -57,6 +57,14 @@
  * Measured and not kept: the rows copied into shared memory by cp.async before the wait (no
  * load waited for; even), the kernel parameters asked for by four warps at once, a line each
  * (no change in the time to the wait).
+ * Later (H200, real file; report 20261202-f31a03e-*, addendum): the held keys loaded and the keys
+ * asked of L2 after the norm, not before the wait, where their addresses wait for the position's
+ * load (an L2 or HBM round trip: the step's weights stream through L2 after feed_draw wrote it).
+ * The last blocks then reached the wait 0.45 us after the launch's first release, not 0.77, but
+ * the rows were exchanged 0.45 us later after it (4.1 us, not 3.6) and the launch's share of a
+ * stamped step rose 7.84 -> 8.29 us; decode (with the weight copies' edge bytes of qc_cuda.cuh,
+ * also not kept) 2103.3-2111.1 tok/s at 512 keys and 1807.0-1815.1 at 2560, against
+ * 2143.1-2151.8 and 1856.4-1863.0 without this change. 
  *
  * Elsewhere (several tokens, other weight types, flash decode's long contexts, no clusters,
  * QWENCUDA_QKV_ATTENTION=0 at creation) the op is matmul_qkv_rope, then attention.
@@ -231,7 +239,12 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     /* 1. barrier phase 1, arrival: this block has started (no block stores into another's shared
      *    memory before that one runs) */
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-    const int pos = P.pos[0];   /* (loaded now, used after the norm: see step 2) */
+    const int pos = P.pos[0];
+    qc_att_held<KV, QC_ATT_HELD> held;
+    qc_att_held_load<G, KV, QC_ATT_HELD>(held, k_cache, v_cache, P.hold ? pos : 0, h, split, QC_ATT_SPLITS, P.n_head,
+                                         P.n_head_kv, HD, tid);
+    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, pos - 1, h, split, QC_ATT_SPLITS, P.n_head, P.n_head_kv, HD, tid,
+                                P.hold ? QC_ATT_HELD : 0);
     /* this warp's pairs: item it is pair it % half of q (it < half), k or v (it / half) */
     double2 cs[ITEMS];
     float bias_a[ITEMS], bias_b[ITEMS];
@@ -271,18 +284,6 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     /* 2. x normalised and quantized, in every block */
     qc_qa_norm_quantize<S::warps>(P.x, P.norm_w, norm_w, P.dim, P.eps, xs_qs, xs_ds, norm_tmp);
     const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};
-    /* the held keys loaded and this group's other keys asked of L2, for step 4; not before the
-     * wait, where the attention op's kernels load them: their addresses wait for the position,
-     * which is an L2 or HBM round trip (the graph's earlier layers streamed their weights through
-     * L2 since feed_draw wrote it), and the blocks placed last, as the down projection's leave
-     * their SMs, reached their wait up to 1 us after the launch's first release (step stamps, H200,
-     * real file, report 20261201-8619ff6-*), and every cluster barrier waited for them. Here the
-     * position has come during the norm, and the keys have the dot products' time to come. */
-    qc_att_held<KV, QC_ATT_HELD> held;
-    qc_att_held_load<G, KV, QC_ATT_HELD>(held, k_cache, v_cache, P.hold ? pos : 0, h, split, QC_ATT_SPLITS, P.n_head,
-                                         P.n_head_kv, HD, tid);
-    qc_att_prefetch_keys<G, KV>(k_cache, v_cache, pos - 1, h, split, QC_ATT_SPLITS, P.n_head, P.n_head_kv, HD, tid,
-                                P.hold ? QC_ATT_HELD : 0);
 
     /* 3. the rows: both of a pair in one loop (qc_gemv_q8_row2: each row qc_gemv_q8_row_slice's
      *    sums), rotated, stored into every block of the cluster once they all run */

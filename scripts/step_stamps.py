@@ -96,12 +96,11 @@ static int qc_st_registered_ = qc_st_register(qc_st_dump_tu);
 
 INNER = [
     # (file, text, text with the mark after it, occurrences)
-    ("kernels/matmul.cu", "    if constexpr (SH) qc_copy_wait(edge);\n", "    if constexpr (SH) qc_copy_wait(edge);\n    qc_st_mark(4);\n", 3),
+    ("kernels/matmul.cu", "    if constexpr (SH) qc_copy_wait();\n", "    if constexpr (SH) qc_copy_wait();\n    qc_st_mark(4);\n", 3),
     ("kernels/matmul.cu", "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n",
      "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n    qc_st_mark(5);\n", 1),
     ("kernels/matmul.cu", "    if (S > 1) {", "    qc_st_mark(5);\n    if (S > 1) {", 1),
-    ("kernels/matmul_swiglu.cu", "    if constexpr (SH) qc_copy_wait(edge_g, edge_u);\n",
-     "    if constexpr (SH) qc_copy_wait(edge_g, edge_u);\n    qc_st_mark(4);\n", 1),
+    ("kernels/matmul_swiglu.cu", "    if constexpr (SH) qc_copy_wait();\n", "    if constexpr (SH) qc_copy_wait();\n    qc_st_mark(4);\n", 1),
     ("kernels/matmul_swiglu.cu", "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n",
      "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n    qc_st_mark(5);\n", 1),
     ("kernels/qkv_attention.cu", "    const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};\n",
