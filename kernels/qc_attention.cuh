@@ -305,15 +305,16 @@ __device__ __forceinline__ void qc_att_held_load(qc_att_held<KV, R> &held, const
  * same bits.
  * NEW (one token, qkv_attention.cu): q is the head's query in shared memory, and key last_key,
  * which this launch computes and another cluster writes into the cache, comes from new_k and
- * new_v (this KV head's rows in shared memory, as the cache holds them) instead: it is the last
- * key of the group that takes it, so it is still taken last, with the same arithmetic. */
-template <int G, typename KV, bool AHEAD, int R = 0, bool NEW = false>
+ * new_v (this KV head's rows in shared memory, as the cache holds them: NKV, or floats of the
+ * cache's rounding) instead: it is the last key of the group that takes it, so it is still taken
+ * last, with the same arithmetic. */
+template <int G, typename KV, bool AHEAD, int R = 0, bool NEW = false, typename NKV = KV>
 __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k_cache, const KV *v_cache,
                                                      int last_key, int h, int split, int splits, int t,
                                                      int n_head, int n_head_kv, int head_dim, float scale,
                                                      float *mine, float *pub, int tid,
                                                      const qc_att_held<KV, R> *held = nullptr,
-                                                     const KV *new_k = nullptr, const KV *new_v = nullptr) {
+                                                     const NKV *new_k = nullptr, const NKV *new_v = nullptr) {
     const qc_att_share sh = qc_att_share_of<G>(h, split, splits, n_head, n_head_kv, tid);
     const int kv_dim = n_head_kv * head_dim;
     const int lane = tid % G, group = tid / G, groups = QC_ATT_SPLIT_THREADS / G;

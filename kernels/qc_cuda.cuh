@@ -242,6 +242,12 @@ __device__ __forceinline__ void qc_kv_put(__half *p, float x) { *p = __float2hal
 __device__ __forceinline__ float qc_kv_float(float v) { return v; }
 __device__ __forceinline__ float qc_kv_float(__half v) { return __half2float(v); }
 template <typename KV> __device__ __forceinline__ float qc_kv_get(const KV *p) { return qc_kv_float(*p); }
+/* x as a cache of KV holds it, as a float */
+template <typename KV> __device__ __forceinline__ float qc_kv_rounded(float x) {
+    KV k;
+    qc_kv_put(&k, x);
+    return qc_kv_float(k);
+}
 
 /* Dequantize rows [row0, row0 + nrows) of w into dst, row-major (nrows, w->cols), as f16
  * (half_out != 0) or f32. Used by matmul's cuBLAS path. */

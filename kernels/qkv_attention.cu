@@ -25,10 +25,16 @@
  *      n_head / n_head_kv clusters of a KV head each compute its k and v (a few rows more from
  *      L2); the first writes them to the cache and to k and v. Every cluster writes its q.
  *   4. The cluster attention's splits, held keys and merge (qc_att_split_partial, NEW: the new
- *      key from shared memory, still last in its group's order; qc_att_cluster_merge): the same
+ *      key from shared memory, still last in its group's order; qc_qa_cluster_merge): the same
  *      bits as the attention op after matmul_qkv_rope.
- * Three cluster barriers order it: every block started (before the stores of 3), the rows
- * stored (before 4), the partials stored (block 0 merges).
+ * A cluster barrier orders the start (every block runs and has set up its mbarriers before any
+ * block stores into it), and two mbarriers the rest: the rows and the partials go to the blocks
+ * that read them by st.async stores, which the receiver's mbarrier counts (rows_in: every block's
+ * q, k and v; parts_in: block 0's partials), so a receiver waits only for its bytes. Why: ncu's
+ * warp-state samples of this launch (H200, real file, 512 keys; report 20261202-befc0ea-*,
+ * addendum) put 15% in membar stalls, at the two cluster barriers with release semantics that
+ * ordered the rows and the partials before (each block's remote stores acknowledged before its
+ * arrival), and 22% in barrier stalls. 
  *
  * RoPE's angles: a pair's (cos, sin) in double (qc_rope_angle: a pow and a sincos) took lane 0
  * of a warp about 2 us before its wait; %globaltimer stamps of every block (real file, H100,
@@ -71,6 +77,8 @@
  */
 #include "qc_attention.cuh"
 #include "qc_rope.cuh"
+
+#include <cuda/ptx>
 
 #include <stdlib.h>
 #include <string.h>
@@ -208,6 +216,40 @@ __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float 
     __syncthreads();
 }
 
+/* A block's partials: CS splits of (m, l, acc[HD]) (qc_att_cluster_merge's). */
+template <int HD, int CS>
+__host__ __device__ constexpr int qc_qa_parts_floats() {
+    return CS * (HD + 2);
+}
+
+/* qc_att_cluster_merge's merge (the same bits) with the partials brought to block 0 by st.async
+ * stores that its mbarrier parts_in counts (it expects the other blocks' bytes), where that one
+ * has every block store them, then a cluster barrier with release semantics: each block's stores
+ * had to be acknowledged before it could arrive (a fence), and block 0 waited for the last
+ * arrival. The other blocks leave once their stores are issued: nothing reads their shared
+ * memory. */
+template <int HD, int CS>
+__device__ __forceinline__ void qc_qa_cluster_merge(float *parts, unsigned rank, int64_t pair, float *out,
+                                                    int8_t *out_qs, float2 *out_ds, float *weight,
+                                                    uint64_t *parts_in) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int mine_floats = qc_qa_parts_floats<HD, CS>();
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    if (rank != 0) {
+        /* where qc_att_split_partial left them: splits CS rank .. CS rank + CS - 1 */
+        float *mine = parts + rank * mine_floats;
+        float *to = cluster.map_shared_rank(mine, 0);
+        uint64_t *bar = cluster.map_shared_rank(parts_in, 0);
+        for (int i = threadIdx.x; i < mine_floats; i += blockDim.x) cuda::ptx::st_async(to + i, mine[i], bar);
+        return;
+    }
+    while (!cuda::ptx::mbarrier_try_wait_parity(cuda::ptx::sem_acquire, cuda::ptx::scope_cluster, parts_in, 0)) {
+    }
+    qc_att_merge_splits([&](int s, int i) { return parts[s * (HD + 2) + i]; }, QC_ATT_SPLITS, HD, out + pair * HD,
+                        weight, out_qs ? out_qs + pair * HD : nullptr, out_ds ? out_ds + pair * HD / 32 : nullptr);
+#endif
+}
+
 template <int G, typename KV, int HD, int C>
 __global__ void __launch_bounds__(qc_qa_shape<C>::threads, qc_qa_shape<C>::min_blocks)
 qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
@@ -219,8 +261,11 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     extern __shared__ float4 qc_qa_smem[];
     __shared__ float weight[32];
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
+    /* mbarriers: this block's q, k and v rows stored (step 3); block 0's: the cluster's partials
+     * (step 4) */
+    __shared__ uint64_t rows_in, parts_in;
     float *qn = (float *)qc_qa_smem;
-    KV *kn = (KV *)(qn + HD), *vn = (KV *)(qn + 2 * HD);
+    float *kn = qn + HD, *vn = qn + 2 * HD;   /* floats of the cache's rounding (qc_kv_rounded) */
     float *region = qn + 3 * HD;
     int8_t *xs_qs = (int8_t *)region;
     float2 *xs_ds = qc_q8x_ds_at(xs_qs, 1, P.dim);
@@ -236,8 +281,20 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     const KV *k_cache = (const KV *)P.k_cache, *v_cache = (const KV *)P.v_cache;
     const int kv_dim = P.n_head_kv * HD;
 
-    /* 1. barrier phase 1, arrival: this block has started (no block stores into another's shared
-     *    memory before that one runs) */
+    /* 1. barrier phase 1, arrival: this block has started and its mbarriers are set up (no block
+     *    stores into another's shared memory before that one runs); they expect the bytes that
+     *    the cluster's st.async stores bring */
+    if (threadIdx.x == 0) {
+        cuda::ptx::mbarrier_init(&rows_in, 1);
+        cuda::ptx::mbarrier_init(&parts_in, 1);
+        cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+        (void)cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                                   cuda::ptx::space_shared, &rows_in, 3 * HD * sizeof(float));
+        if (rank == 0)
+            (void)cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
+                                                       cuda::ptx::space_shared, &parts_in,
+                                                       (C - 1) * qc_qa_parts_floats<HD, S::splits>() * sizeof(float));
+    }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     const int pos = P.pos[0];
     qc_att_held<KV, QC_ATT_HELD> held;
@@ -308,23 +365,16 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
         y[k] = which < 2 ? qc_rope_apply(ya[k], yb[k], cs[k]) : make_float2(ya[k], yb[k]);   /* lane 0's */
         y[k].x = __shfl_sync(0xffffffffu, y[k].x, 0);
         y[k].y = __shfl_sync(0xffffffffu, y[k].y, 0);
-        /* lane b stores into block b */
+        /* lane b stores into block b, and its rows_in counts the bytes */
         if (lane < C) {
-            if (which == 0) {
-                float *to = cluster.map_shared_rank(qn, lane);
-                to[i] = y[k].x;
-                to[i + half] = y[k].y;
-            } else {
-                KV *to = cluster.map_shared_rank(which == 1 ? kn : vn, lane);
-                qc_kv_put(to + i, y[k].x);
-                qc_kv_put(to + i + half, y[k].y);
-            }
+            float *to = cluster.map_shared_rank(which == 0 ? qn : which == 1 ? kn : vn, lane);
+            uint64_t *bar = cluster.map_shared_rank(&rows_in, lane);
+            cuda::ptx::st_async(to + i, which == 0 ? y[k].x : qc_kv_rounded<KV>(y[k].x), bar);
+            cuda::ptx::st_async(to + i + half, which == 0 ? y[k].y : qc_kv_rounded<KV>(y[k].y), bar);
         }
     }
-    /* phase 2: the rows stored and visible in every block (release, acquire); the global stores
-     * only after the arrival, so that the release does not wait for them (later launches read
-     * them) */
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    /* the global stores (later launches read them), then this block's rows: once rows_in has
+     * counted all their bytes (acquire: the stores of the cluster's blocks visible) */
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         const int it = (int)rank * S::warps + warp + k * QC_QA_CLUSTER_WARPS, which = it / half, i = it % half;
@@ -339,14 +389,15 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
             qc_kv_put(row + r + half, y[k].y);
         }
     }
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    while (!cuda::ptx::mbarrier_try_wait_parity(cuda::ptx::sem_acquire, cuda::ptx::scope_cluster, &rows_in, 0)) {
+    }
 
     /* 4. the attention: this block's splits, then the cluster's merge in block 0 */
-    qc_att_split_partial<G, KV, true, QC_ATT_HELD, true>(
+    qc_att_split_partial<G, KV, true, QC_ATT_HELD, true, float>(
         qn, k_cache, v_cache, pos, h, split, QC_ATT_SPLITS, 0, P.n_head, P.n_head_kv, HD, P.scale,
         parts + split * (HD + 2), pub + sub * pub_floats, tid, &held, kn, vn);
     __syncthreads();   /* this block's partials complete */
-    qc_att_cluster_merge<HD, S::splits>(parts, rank, h, P.out, P.out_qs, P.out_ds, weight);
+    qc_qa_cluster_merge<HD, S::splits>(parts, rank, h, P.out, P.out_qs, P.out_ds, weight, &parts_in);
 #endif
 }
 
