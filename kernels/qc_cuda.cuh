@@ -360,7 +360,7 @@ __device__ __forceinline__ void qc_grid_launch_next() {
  * with bytes + 16 of room), by the block's threads: cp.async (sm_80+, no register holds the bytes)
  * for the aligned 16-byte pieces, plain loads for the few bytes before and after them. Every
  * thread calls it, and qc_copy_wait before reading the copy.
- * Measured and not kept (H200, real file, report 20261202-f31a03e-*, addendum): those edge bytes
+ * Measured and not kept (H200, real file, report 20261202-8d68ef1-*, addendum): those edge bytes
  * loaded into a register before the wait and stored after it, since a store waits for its load:
  * step stamps had put the Q6_K down projection's last blocks (3990-byte rows, one in eight
  * 16-byte aligned) at their wait up to 2 us after the grid's first release, its Q4_K layers'

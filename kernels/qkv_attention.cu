@@ -31,10 +31,12 @@
  * block stores into it), and two mbarriers the rest: the rows and the partials go to the blocks
  * that read them by st.async stores, which the receiver's mbarrier counts (rows_in: every block's
  * q, k and v; parts_in: block 0's partials), so a receiver waits only for its bytes. Why: ncu's
- * warp-state samples of this launch (H200, real file, 512 keys; report 20261202-befc0ea-*,
+ * warp-state samples of this launch (H200, real file, 512 keys; report 20261202-8d68ef1-*,
  * addendum) put 15% in membar stalls, at the two cluster barriers with release semantics that
  * ordered the rows and the partials before (each block's remote stores acknowledged before its
- * arrival), and 22% in barrier stalls. 
+ * arrival), and 22% in barrier stalls. Measured there (three alternating rounds against the
+ * barriers): 2168.0-2177.3 -> 2222.9-2231.9 tok/s at 512 keys, 1868.3-1875.4 -> 1904.8-1910.1
+ * at 2560; the step period 462.3 -> 448.6 us.
  *
  * RoPE's angles: a pair's (cos, sin) in double (qc_rope_angle: a pow and a sincos) took lane 0
  * of a warp about 2 us before its wait; %globaltimer stamps of every block (real file, H100,
@@ -63,7 +65,7 @@
  * Measured and not kept: the rows copied into shared memory by cp.async before the wait (no
  * load waited for; even), the kernel parameters asked for by four warps at once, a line each
  * (no change in the time to the wait).
- * Later (H200, real file; report 20261202-f31a03e-*, addendum): the held keys loaded and the keys
+ * Later (H200, real file; report 20261202-8d68ef1-*, addendum): the held keys loaded and the keys
  * asked of L2 after the norm, not before the wait, where their addresses wait for the position's
  * load (an L2 or HBM round trip: the step's weights stream through L2 after feed_draw wrote it).
  * The last blocks then reached the wait 0.45 us after the launch's first release, not 0.77, but
