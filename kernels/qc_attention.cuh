@@ -467,18 +467,33 @@ static inline int qc_att_cluster_takes(int G, int head_dim) {
     return (head_dim == 64 || head_dim == 128) && G == qc_att_group_lanes(head_dim);
 }
 
+/* A cluster block's partials in parts: its CS splits' (m, l, acc[HD]), splits CS rank ..
+ * CS rank + CS - 1, where qc_att_split_partial left them. */
+template <int HD, int CS>
+__host__ __device__ constexpr int qc_att_block_parts_floats() {
+    return CS * (HD + 2);
+}
+
+/* Block 0's merge of every split in its parts into out (and its 8-bit blocks, qc_att_merge_splits)
+ * for (token, head) `pair`; weight: 32 floats of shared memory. */
+template <int HD>
+__device__ __forceinline__ void qc_att_cluster_merge_parts(const float *parts, int64_t pair, float *out,
+                                                           int8_t *out_qs, float2 *out_ds, float *weight) {
+    qc_att_merge_splits([&](int s, int i) { return parts[s * (HD + 2) + i]; }, QC_ATT_SPLITS, HD, out + pair * HD,
+                        weight, out_qs ? out_qs + pair * HD : nullptr, out_ds ? out_ds + pair * HD / 32 : nullptr);
+}
+
 /* The end of a cluster's attention, after every block's partials are complete in its own shared
  * memory (parts, split by split) and the cluster's blocks have all started (the caller waited at
  * a cluster barrier since): blocks 1.. copy theirs into block 0's parts and leave; block 0 merges
- * every split into out (and its 8-bit blocks, qc_att_merge_splits) for (token, head) `pair`.
- * Every thread of the block calls it. CS: splits a block; weight: 32 floats of shared memory. */
+ * them (qc_att_cluster_merge_parts). Every thread of the block calls it. CS: splits a block.
+ * (qkv_attention.cu's qc_qa_cluster_merge brings them by st.async stores instead.) */
 template <int HD, int CS = QC_ATT_CLUSTER_SPLITS>
 __device__ __forceinline__ void qc_att_cluster_merge(float *parts, unsigned rank, int64_t pair, float *out,
                                                      int8_t *out_qs, float2 *out_ds, float *weight) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr int mine_floats = CS * (HD + 2);   /* a block's partials */
+    constexpr int mine_floats = qc_att_block_parts_floats<HD, CS>();
     if (rank != 0) {
-        /* where qc_att_split_partial left them: splits CS rank .. CS rank + CS - 1 */
         float *mine = parts + rank * mine_floats;
         float *to = cooperative_groups::this_cluster().map_shared_rank(mine, 0);
         for (int i = threadIdx.x; i < mine_floats; i += blockDim.x) to[i] = mine[i];
@@ -488,8 +503,7 @@ __device__ __forceinline__ void qc_att_cluster_merge(float *parts, unsigned rank
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
     if (rank != 0) return;
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-    qc_att_merge_splits([&](int s, int i) { return parts[s * (HD + 2) + i]; }, QC_ATT_SPLITS, HD, out + pair * HD,
-                        weight, out_qs ? out_qs + pair * HD : nullptr, out_ds ? out_ds + pair * HD / 32 : nullptr);
+    qc_att_cluster_merge_parts<HD>(parts, pair, out, out_qs, out_ds, weight);
 #endif
 }
 

@@ -36,7 +36,7 @@
  * ordered the rows and the partials before (each block's remote stores acknowledged before its
  * arrival), and 22% in barrier stalls. Measured there (three alternating rounds against the
  * barriers): 2168.0-2177.3 -> 2222.9-2231.9 tok/s at 512 keys, 1868.3-1875.4 -> 1904.8-1910.1
- * at 2560; the step period 462.3 -> 448.6 us.
+ * at 2560; the loop's step period 462.3 -> 448.6 us (two leases' gpu_check benches).
  *
  * RoPE's angles: a pair's (cos, sin) in double (qc_rope_angle: a pow and a sincos) took lane 0
  * of a warp about 2 us before its wait; %globaltimer stamps of every block (real file, H100,
@@ -72,7 +72,7 @@
  * the rows were exchanged 0.45 us later after it (4.1 us, not 3.6) and the launch's share of a
  * stamped step rose 7.84 -> 8.29 us; decode (with the weight copies' edge bytes of qc_cuda.cuh,
  * also not kept) 2103.3-2111.1 tok/s at 512 keys and 1807.0-1815.1 at 2560, against
- * 2143.1-2151.8 and 1856.4-1863.0 without this change. 
+ * 2143.1-2151.8 and 1856.4-1863.0 without this change.
  *
  * Elsewhere (several tokens, other weight types, flash decode's long contexts, no clusters,
  * QWENCUDA_QKV_ATTENTION=0 at creation) the op is matmul_qkv_rope, then attention.
@@ -218,37 +218,34 @@ __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float 
     __syncthreads();
 }
 
-/* A block's partials: CS splits of (m, l, acc[HD]) (qc_att_cluster_merge's). */
-template <int HD, int CS>
-__host__ __device__ constexpr int qc_qa_parts_floats() {
-    return CS * (HD + 2);
+/* Wait until this block's mbarrier bar has counted every byte it expects (its one phase of the
+ * launch), with acquire semantics at cluster scope: the other blocks' st.async stores visible. */
+__device__ __forceinline__ void qc_qa_wait_bytes(uint64_t *bar) {
+    while (!cuda::ptx::mbarrier_try_wait_parity(cuda::ptx::sem_acquire, cuda::ptx::scope_cluster, bar, 0)) {
+    }
 }
 
-/* qc_att_cluster_merge's merge (the same bits) with the partials brought to block 0 by st.async
- * stores that its mbarrier parts_in counts (it expects the other blocks' bytes), where that one
- * has every block store them, then a cluster barrier with release semantics: each block's stores
- * had to be acknowledged before it could arrive (a fence), and block 0 waited for the last
- * arrival. The other blocks leave once their stores are issued: nothing reads their shared
- * memory. */
+/* qc_att_cluster_merge with the partials brought to block 0 by st.async stores that its mbarrier
+ * parts_in counts (it expects the other blocks' bytes), where that one has every block store them,
+ * then a cluster barrier with release semantics: each block's stores had to be acknowledged before
+ * it could arrive (a fence), and block 0 waited for the last arrival. The other blocks leave once
+ * their stores are issued: nothing reads their shared memory. */
 template <int HD, int CS>
 __device__ __forceinline__ void qc_qa_cluster_merge(float *parts, unsigned rank, int64_t pair, float *out,
                                                     int8_t *out_qs, float2 *out_ds, float *weight,
                                                     uint64_t *parts_in) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr int mine_floats = qc_qa_parts_floats<HD, CS>();
+    constexpr int mine_floats = qc_att_block_parts_floats<HD, CS>();
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
     if (rank != 0) {
-        /* where qc_att_split_partial left them: splits CS rank .. CS rank + CS - 1 */
         float *mine = parts + rank * mine_floats;
         float *to = cluster.map_shared_rank(mine, 0);
         uint64_t *bar = cluster.map_shared_rank(parts_in, 0);
         for (int i = threadIdx.x; i < mine_floats; i += blockDim.x) cuda::ptx::st_async(to + i, mine[i], bar);
         return;
     }
-    while (!cuda::ptx::mbarrier_try_wait_parity(cuda::ptx::sem_acquire, cuda::ptx::scope_cluster, parts_in, 0)) {
-    }
-    qc_att_merge_splits([&](int s, int i) { return parts[s * (HD + 2) + i]; }, QC_ATT_SPLITS, HD, out + pair * HD,
-                        weight, out_qs ? out_qs + pair * HD : nullptr, out_ds ? out_ds + pair * HD / 32 : nullptr);
+    qc_qa_wait_bytes(parts_in);
+    qc_att_cluster_merge_parts<HD>(parts, pair, out, out_qs, out_ds, weight);
 #endif
 }
 
@@ -285,7 +282,8 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
 
     /* 1. barrier phase 1, arrival: this block has started and its mbarriers are set up (no block
      *    stores into another's shared memory before that one runs); they expect the bytes that
-     *    the cluster's st.async stores bring */
+     *    the cluster's st.async stores bring: rows_in a float of each of q, k and v's HD rows
+     *    (step 3's 3 * half pairs, two each), block 0's parts_in the other blocks' partials */
     if (threadIdx.x == 0) {
         cuda::ptx::mbarrier_init(&rows_in, 1);
         cuda::ptx::mbarrier_init(&parts_in, 1);
@@ -295,7 +293,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
         if (rank == 0)
             (void)cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta,
                                                        cuda::ptx::space_shared, &parts_in,
-                                                       (C - 1) * qc_qa_parts_floats<HD, S::splits>() * sizeof(float));
+                                                       (C - 1) * qc_att_block_parts_floats<HD, S::splits>() * sizeof(float));
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     const int pos = P.pos[0];
@@ -391,8 +389,7 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
             qc_kv_put(row + r + half, y[k].y);
         }
     }
-    while (!cuda::ptx::mbarrier_try_wait_parity(cuda::ptx::sem_acquire, cuda::ptx::scope_cluster, &rows_in, 0)) {
-    }
+    qc_qa_wait_bytes(&rows_in);
 
     /* 4. the attention: this block's splits, then the cluster's merge in block 0 */
     qc_att_split_partial<G, KV, true, QC_ATT_HELD, true, float>(

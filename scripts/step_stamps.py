@@ -105,7 +105,7 @@ INNER = [
      "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n    qc_st_mark(5);\n", 1),
     ("kernels/qkv_attention.cu", "    const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};\n",
      "    const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};\n    qc_st_mark(4);\n", 1),
-    ("kernels/qkv_attention.cu", "&rows_in, 0)) {\n    }\n", "&rows_in, 0)) {\n    }\n    qc_st_mark(5);\n", 1),
+    ("kernels/qkv_attention.cu", "    qc_qa_wait_bytes(&rows_in);\n", "    qc_qa_wait_bytes(&rows_in);\n    qc_st_mark(5);\n", 1),
     ("kernels/qkv_attention.cu", "    __syncthreads();   /* this block's partials complete */\n",
      "    __syncthreads();   /* this block's partials complete */\n    qc_st_mark(6);\n", 1),
 ]

@@ -50,12 +50,22 @@ def test_patch_refuses_a_changed_kernel(tmp_path):
         step_stamps.patch(tmp_path)
 
 
-def test_decode_runs_the_bench_round(tmp_path):
-    """decode: the bench's round on a model (here a tiny one on the CPU; on the GPU with QC_STAMPS)."""
+def test_decode_runs_the_bench_round(tmp_path, monkeypatch):
+    """decode: the bench's round on a model (here a tiny one on the CPU; on the GPU with QC_STAMPS),
+    with the prompt's length and the steps it was given (512 tokens unless told)."""
+    import qwencuda.bench as bench
     from qwencuda.testing.writer import write_model
     path = write_model(tmp_path / "tiny.gguf", "tiny")
+    rounds, one_round = [], bench._one_round
+
+    def seen(model, ids, steps):
+        rounds.append((len(ids), steps))
+        return one_round(model, ids, steps)
+
+    monkeypatch.setattr(bench, "_one_round", seen)
     step_stamps.decode(str(path), 3, device="cpu")
-    step_stamps.decode(str(path), 2, prompt=20, device="cpu")   # the prompt's length too
+    step_stamps.decode(str(path), 2, prompt=20, device="cpu")
+    assert rounds == [(512, 3), (20, 2)]
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
