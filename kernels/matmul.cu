@@ -99,6 +99,50 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
     }
 }
 
+/* One token against long rows (qc_gemv_split: the down projection), RB rows a block, each row
+ * computed as qc_gemv_kernel's split path computes it (its QC_GEMV_WARPS warps' slices, the same
+ * first element and stride a lane, their sums added in warp order): the same bits, in a grid of
+ * rows / RB blocks of RB * QC_GEMV_WARPS warps. The block's rows go into its shared memory before
+ * the wait (qc_copy_to_shared, one copy for all RB). Why: the GPU resolves a programmatic
+ * dependency across a grid of few blocks faster than across one of many (scripts/sync_floor.cu on
+ * the H200: a chain of 132-block grids 0.76 us a kernel, of 224 1.10, of 896 1.51), and the down
+ * projection was 896 blocks of one row. QWENCUDA_SPLIT_ROWS (1, 2, 4 or 8) at creation: the most
+ * rows a block (cu->split_rows); split_rows_for takes fewer where the copy or one wave would not
+ * fit. */
+template <int T, int RB>
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS * RB, 8 / RB)
+qc_gemv_q8_split_rows_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
+                             const qc_q8x xq, const float *__restrict__ bias, const float *residual, float *out,
+                             const qc_l2_ahead ahead, int launch_next) {
+    __shared__ float slice_sum[RB * QC_GEMV_WARPS];
+    extern __shared__ __align__(16) uint8_t w_shared[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int k = warp / QC_GEMV_WARPS;   /* this warp's row of the block; warp % QC_GEMV_WARPS its slice */
+    const int64_t r_first = (int64_t)blockIdx.x * RB, r = r_first + k;
+    const int64_t nr = rows - r_first < RB ? rows - r_first : RB;
+    const uint8_t *mine = qc_copy_to_shared(w_shared, W + r_first * row_bytes, nr * row_bytes) + k * row_bytes;
+    const bool writer = lane == 0 && warp % QC_GEMV_WARPS == 0 && r < rows;
+    const float b_r = writer && bias ? bias[r] : 0.0f;
+    qc_l2_ahead_issue(ahead);
+    if (launch_next) qc_grid_launch_next();
+    qc_grid_start();
+    qc_copy_wait();
+    const float res = writer && residual ? residual[r] : 0.0f;
+    if (r < rows) {   /* whole warps: a partial last block's other warps only reach the barrier */
+        float acc[1];
+        qc_gemv_q8_row_slice<T, 1, true>(mine, cols, xq, 1, 0, threadIdx.x % (32 * QC_GEMV_WARPS), 32 * QC_GEMV_WARPS,
+                                         acc);
+        if (lane == 0) slice_sum[warp] = acc[0];
+    }
+    __syncthreads();
+    if (!writer) return;
+    float a = slice_sum[warp];
+#pragma unroll
+    for (int w = 1; w < QC_GEMV_WARPS; w++) a += slice_sum[warp + w];
+    const float v = bias ? a + b_r : a;
+    out[r] = residual ? res + v : v;
+}
+
 /* matmul_add of one token that also leaves out's normalised 8-bit form for the next op
  * (norm_next, backend.h; qc_gemv_q8.cuh, "a norm's scale after the dot products"): 32 rows a
  * block, 4 a warp (qc_gemv_q8_row4: each row qc_gemv_q8_row_slice's operations, so out is
@@ -370,6 +414,35 @@ static bool rows4_takes(qc_backend *be, const qc_weight *w, int n, int launch_ne
            !launch_next;
 }
 
+/* qc_gemv_q8_split_rows_kernel<T, RB> for RB = 2, 4 or 8. */
+template <int T>
+static const void *split_rows_kernel(int rb_rows) {
+    switch (rb_rows) {
+    case 2: return (const void *)qc_gemv_q8_split_rows_kernel<T, 2>;
+    case 4: return (const void *)qc_gemv_q8_split_rows_kernel<T, 4>;
+    default: return (const void *)qc_gemv_q8_split_rows_kernel<T, 8>;
+    }
+}
+
+/* The rows a block for a one-token GEMV of long rows (rb bytes each): the most, up to
+ * cu->split_rows, whose copy fits QC_SHARED_COPY_MAX and whose grid is one wave at that kernel's
+ * occupancy (the copies of a later wave would wait in line); 1: qc_gemv_kernel's one row. */
+template <int T>
+static int split_rows_for(const qc_cuda *cu, int64_t rows, int64_t rb) {
+    for (int r = cu->split_rows; r >= 2; r /= 2) {
+        const size_t shared = qc_shared_copy_bytes(r * rb);
+        int per_sm = 0;
+        if (shared > QC_SHARED_COPY_MAX) continue;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_rows_kernel<T>(r), 32 * QC_GEMV_WARPS * r,
+                                                          shared) != cudaSuccess) {
+            cudaGetLastError();   /* not an error of the matmul: it takes fewer rows a block */
+            continue;
+        }
+        if ((rows + r - 1) / r <= (int64_t)per_sm * cu->sm_count) return r;
+    }
+    return 1;
+}
+
 /* draw: matmul_draw's (the four-row kernel's DRAW), or NULL. Returns whether the draw was launched. */
 template <int T, int S, bool Q8>
 static bool launch_gemv_s(qc_backend *be, const qc_weight *w, const float *bias, const float *x, const qc_q8x &xq,
@@ -386,6 +459,19 @@ static bool launch_gemv_s(qc_backend *be, const qc_weight *w, const float *bias,
     const size_t shared = qc_shared_copy_bytes(rows_per_block * rb);
     if constexpr (Q8) {
         const bool one_wave = grid.x <= (unsigned)(QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count);
+        if constexpr (S > 1) {
+            const int rb_rows = n == 1 && cu->w_shared ? split_rows_for<T>(cu, w->rows, rb) : 1;
+            if (rb_rows > 1) {
+                const dim3 grid_r((unsigned)((w->rows + rb_rows - 1) / rb_rows)), block_r(32 * QC_GEMV_WARPS * rb_rows);
+                const size_t shared_r = qc_shared_copy_bytes(rb_rows * rb);
+#define QC_ARGS_R_ W, rb, w->rows, w->cols, xq, bias, residual, out, ahead, launch_next
+                if (rb_rows == 2) qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, 2>, grid_r, block_r, shared_r, QC_ARGS_R_);
+                else if (rb_rows == 4) qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, 4>, grid_r, block_r, shared_r, QC_ARGS_R_);
+                else qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, 8>, grid_r, block_r, shared_r, QC_ARGS_R_);
+#undef QC_ARGS_R_
+                return false;
+            }
+        }
         if (n == 1 && cu->w_shared && one_wave && shared <= QC_SHARED_COPY_MAX) {
             qc_launch(cu, qc_gemv_kernel<T, 1, S, true, true>, grid, block, shared, QC_ARGS_);
             return false;

@@ -37,13 +37,13 @@ __global__ void barrier_kernel(int rounds, float *buf) {
     }
 }
 
-static int chain(int blocks, int threads, int pdl, int n, float *a, float *b, cudaStream_t s) {
+static int chain(const int (&sh)[2][2], int pdl, int n, float *a, float *b, cudaStream_t s) {
     cudaGraph_t g; cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (int i = 0; i < n; i++) {
         cudaLaunchAttribute attr; attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3(blocks); cfg.blockDim = dim3(threads); cfg.stream = s;
+        cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3(sh[i & 1][0]); cfg.blockDim = dim3(sh[i & 1][1]); cfg.stream = s;
         cfg.attrs = &attr; cfg.numAttrs = pdl ? 1 : 0;
         CK(cudaLaunchKernelEx(&cfg, step_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, pdl));
     }
@@ -56,21 +56,36 @@ static int chain(int blocks, int threads, int pdl, int n, float *a, float *b, cu
         cudaEventRecord(e0, s); CK(cudaGraphLaunch(ge, s)); cudaEventRecord(e1, s); CK(cudaStreamSynchronize(s));
         float ms; cudaEventElapsedTime(&ms, e0, e1); if (ms < best) best = ms;
     }
-    printf("chain of %d kernels, %4d blocks x %3d threads, %s: %.3f us a kernel (best of 5)\n", n, blocks, threads,
-           pdl ? "PDL      " : "plain    ", best * 1000.0f / n);
+    printf("chain of %d kernels, %4d x %3d then %4d x %3d, %s: %.3f us a kernel (best of 5)\n", n, sh[0][0], sh[0][1],
+           sh[1][0], sh[1][1], pdl ? "PDL      " : "plain    ", best * 1000.0f / n);
     cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
     return 0;
 }
 
-int main() {
+// Shapes from the command line: "BxT" (a chain of grids of B blocks of T threads) or "B1xT1:B2xT2"
+// (grids of the two shapes in turn: what a dependency from one kernel to the next costs when
+// they differ, as the o projection's 28 blocks before the gate/up kernel's 152); none: the
+// engine's shapes below.
+static int parse(const char *arg, int (&sh)[2][2]) {
+    int n = sscanf(arg, "%dx%d:%dx%d", &sh[0][0], &sh[0][1], &sh[1][0], &sh[1][1]);
+    if (n == 2) sh[1][0] = sh[0][0], sh[1][1] = sh[0][1];
+    return n == 2 || n == 4 ? 0 : 1;
+}
+
+int main(int argc, char **argv) {
     int sms = 0; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     float *a, *b; CK(cudaMalloc(&a, 4096 * sizeof(float))); CK(cudaMalloc(&b, 4096 * sizeof(float)));
     CK(cudaMemset(a, 0, 4096 * sizeof(float))); CK(cudaMemset(b, 0, 4096 * sizeof(float)));
     cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    const int shapes[][2] = {{28, 256}, {112, 512}, {152, 512}, {896, 256}, {4096, 256}};
-    for (auto &sh : shapes)
+    const char *engine[] = {"28x256", "112x512", "152x512", "896x256", "4096x256"};
+    const int n_args = argc > 1 ? argc - 1 : 5;
+    for (int i = 0; i < n_args; i++) {
+        int sh[2][2];
+        if (parse(argc > 1 ? argv[i + 1] : engine[i], sh)) { printf("bad shape %s\n", argv[i + 1]); return 1; }
         for (int pdl = 0; pdl < 2; pdl++)
-            if (chain(sh[0], sh[1], pdl, 2000, a, b, s)) return 1;
+            if (chain(sh, pdl, 2000, a, b, s)) return 1;
+    }
+    if (argc > 1) return 0;
     for (int per_sm = 1; per_sm <= 4; per_sm *= 2) {
         const int blocks = sms * per_sm, rounds = 20000;
         cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
