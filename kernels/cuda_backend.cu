@@ -485,13 +485,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->qkv_attention = env_on("QWENCUDA_QKV_ATTENTION");
         cu->gemv_rows4 = env_on("QWENCUDA_GEMV_ROWS4");
         const char *split_rows = getenv("QWENCUDA_SPLIT_ROWS");
-        cu->split_rows = split_rows && (!strcmp(split_rows, "1") || !strcmp(split_rows, "2") || !strcmp(split_rows, "4") ||
-                                        !strcmp(split_rows, "8"))
-                             ? atoi(split_rows)
-                             : QC_SPLIT_ROWS_DEFAULT;
-        const char *swiglu_rows = getenv("QWENCUDA_SWIGLU_ROWS");
-        cu->swiglu_rows = swiglu_rows && !strcmp(swiglu_rows, "64") ? 64 : swiglu_rows && !strcmp(swiglu_rows, "32") ? 32
-                                                                                                    : QC_SWIGLU_ROWS_DEFAULT;
+        cu->split_rows = split_rows && strcmp(split_rows, "1") == 0 ? 1 : QC_SPLIT_ROWS;
         cu->head_draw = env_on("QWENCUDA_HEAD_DRAW");
         cu->copy_kernel = env_on("QWENCUDA_COPY_KERNEL");
     }

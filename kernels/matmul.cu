@@ -103,12 +103,17 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
  * computed as qc_gemv_kernel's split path computes it (its QC_GEMV_WARPS warps' slices, the same
  * first element and stride a lane, their sums added in warp order): the same bits, in a grid of
  * rows / RB blocks of RB * QC_GEMV_WARPS warps. The block's rows go into its shared memory before
- * the wait (qc_copy_to_shared, one copy for all RB). Why: the GPU resolves a programmatic
- * dependency across a grid of few blocks faster than across one of many (scripts/sync_floor.cu on
- * the H200: a chain of 132-block grids 0.76 us a kernel, of 224 1.10, of 896 1.51), and the down
- * projection was 896 blocks of one row. QWENCUDA_SPLIT_ROWS (1, 2, 4 or 8) at creation: the most
- * rows a block (cu->split_rows); split_rows_for takes fewer where the copy or one wave would not
- * fit. */
+ * the wait (qc_copy_to_shared, one copy for all RB).
+ * Why: the GPU resolves a programmatic dependency across a grid of few blocks faster than across
+ * one of many: scripts/sync_floor.cu on the H200 (report 20261202-5c31f3a-*, addendum), a chain of
+ * empty kernels of 132 blocks 0.76 us a kernel, 224 1.10, 896 (the down projection's one row a
+ * block) 1.51, and from 896 blocks to 224 1.20. Measured there (real file, rounds alternating in
+ * one lease; QWENCUDA_SPLIT_ROWS at creation, 1 = qc_gemv_kernel): 2 rows a block (448 blocks
+ * of 256 threads) 2243.8-2248.5 tok/s at 512 keys and 1909.9-1918.2 at 2560 against 2221.1-2223.5
+ * and 1895.7-1906.9 for 1; 4 rows (224 of 512) 2226.2-2235.6 and 1901.0-1906.2, even; 8 rows (112
+ * of 1024, a whole SM's registers) 2080.4 and 1809.6, -6.5%: the blocks of the kernels before and
+ * after it then find no room beside it until it leaves. So RB = QC_SPLIT_ROWS (2), and
+ * QWENCUDA_SPLIT_ROWS=1 keeps one row a block, to compare. */
 template <int T, int RB>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS * RB, 8 / RB)
 qc_gemv_q8_split_rows_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
@@ -414,33 +419,20 @@ static bool rows4_takes(qc_backend *be, const qc_weight *w, int n, int launch_ne
            !launch_next;
 }
 
-/* qc_gemv_q8_split_rows_kernel<T, RB> for RB = 2, 4 or 8. */
-template <int T>
-static const void *split_rows_kernel(int rb_rows) {
-    switch (rb_rows) {
-    case 2: return (const void *)qc_gemv_q8_split_rows_kernel<T, 2>;
-    case 4: return (const void *)qc_gemv_q8_split_rows_kernel<T, 4>;
-    default: return (const void *)qc_gemv_q8_split_rows_kernel<T, 8>;
-    }
-}
-
-/* The rows a block for a one-token GEMV of long rows (rb bytes each): the most, up to
- * cu->split_rows, whose copy fits QC_SHARED_COPY_MAX and whose grid is one wave at that kernel's
- * occupancy (the copies of a later wave would wait in line); 1: qc_gemv_kernel's one row. */
+/* The rows a block for a one-token GEMV of long rows (rb bytes each): cu->split_rows where its
+ * copy fits QC_SHARED_COPY_MAX and its grid is one wave at that kernel's occupancy (the copies of
+ * a later wave would wait in line), else 1 (qc_gemv_kernel). */
 template <int T>
 static int split_rows_for(const qc_cuda *cu, int64_t rows, int64_t rb) {
-    for (int r = cu->split_rows; r >= 2; r /= 2) {
-        const size_t shared = qc_shared_copy_bytes(r * rb);
-        int per_sm = 0;
-        if (shared > QC_SHARED_COPY_MAX) continue;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_rows_kernel<T>(r), 32 * QC_GEMV_WARPS * r,
-                                                          shared) != cudaSuccess) {
-            cudaGetLastError();   /* not an error of the matmul: it takes fewer rows a block */
-            continue;
-        }
-        if ((rows + r - 1) / r <= (int64_t)per_sm * cu->sm_count) return r;
+    const size_t shared = qc_shared_copy_bytes(QC_SPLIT_ROWS * rb);
+    int per_sm = 0;
+    if (cu->split_rows != QC_SPLIT_ROWS || shared > QC_SHARED_COPY_MAX) return 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qc_gemv_q8_split_rows_kernel<T, QC_SPLIT_ROWS>,
+                                                      32 * QC_GEMV_WARPS * QC_SPLIT_ROWS, shared) != cudaSuccess) {
+        cudaGetLastError();   /* not an error of the matmul: it takes one row a block */
+        return 1;
     }
-    return 1;
+    return (rows + QC_SPLIT_ROWS - 1) / QC_SPLIT_ROWS <= (int64_t)per_sm * cu->sm_count ? QC_SPLIT_ROWS : 1;
 }
 
 /* draw: matmul_draw's (the four-row kernel's DRAW), or NULL. Returns whether the draw was launched. */
@@ -460,15 +452,11 @@ static bool launch_gemv_s(qc_backend *be, const qc_weight *w, const float *bias,
     if constexpr (Q8) {
         const bool one_wave = grid.x <= (unsigned)(QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count);
         if constexpr (S > 1) {
-            const int rb_rows = n == 1 && cu->w_shared ? split_rows_for<T>(cu, w->rows, rb) : 1;
-            if (rb_rows > 1) {
-                const dim3 grid_r((unsigned)((w->rows + rb_rows - 1) / rb_rows)), block_r(32 * QC_GEMV_WARPS * rb_rows);
-                const size_t shared_r = qc_shared_copy_bytes(rb_rows * rb);
-#define QC_ARGS_R_ W, rb, w->rows, w->cols, xq, bias, residual, out, ahead, launch_next
-                if (rb_rows == 2) qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, 2>, grid_r, block_r, shared_r, QC_ARGS_R_);
-                else if (rb_rows == 4) qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, 4>, grid_r, block_r, shared_r, QC_ARGS_R_);
-                else qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, 8>, grid_r, block_r, shared_r, QC_ARGS_R_);
-#undef QC_ARGS_R_
+            if (n == 1 && cu->w_shared && split_rows_for<T>(cu, w->rows, rb) == QC_SPLIT_ROWS) {
+                const dim3 grid_r((unsigned)((w->rows + QC_SPLIT_ROWS - 1) / QC_SPLIT_ROWS));
+                qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, QC_SPLIT_ROWS>, grid_r, dim3(32 * QC_GEMV_WARPS * QC_SPLIT_ROWS),
+                          qc_shared_copy_bytes(QC_SPLIT_ROWS * rb), W, rb, w->rows, w->cols, xq, bias, residual, out,
+                          ahead, launch_next);
                 return false;
             }
         }

@@ -92,44 +92,31 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restri
  * step went from 1601-1608 to 1622-1640 tok/s on the H100 (bench/results/20261124-48c3e59-*).
  * Where it is taken (swiglu_q8out_takes): two blocks an SM hold 64 registers a thread, which the
  * 256-element formats exceed (Q4_K, Q6_K spilled), and the grid must be one wave of them: the
- * 1.5B (8960 rows, Q4_K) and 7B (18944) decoded 1.7% and 5.6% slower with it. */
+ * 1.5B (8960 rows, Q4_K) and 7B (18944) decoded 1.7% and 5.6% slower with it.
+ * Measured and not kept (H200, real file, report 20261202-5c31f3a-*, addendum): 64 rows a block
+ * (76 blocks of 1024 threads, 79 KB of copies), since a dependency across a grid of fewer blocks
+ * resolves sooner (matmul.cu, qc_gemv_q8_split_rows_kernel): 2173.1 tok/s at 512 keys and 1842.4
+ * at 2560 against 2224.2 and 1907.3 in the same round; a block holding a whole SM's registers
+ * leaves no room beside it for the down projection's blocks until it ends. */
 #define QC_SWIGLU_ROWS 32
-#define QC_SWIGLU_ROWS_WIDE 64          /* QWENCUDA_SWIGLU_ROWS=64: the grid of half as many blocks */
-#define QC_SWIGLU_SHARED_MAX (96u << 10) /* the copies of a 64-row block (0.5B: 79 KB; opted in) */
-template <int ROWS>
-struct qc_swiglu_shape {
-    static constexpr int threads = 32 * ROWS / 2;   /* two rows a warp */
-    static constexpr int blocks_per_sm = 64 / ROWS; /* 64 registers a thread */
-};
-/* The rows a block of the 32-row kernel's grid (0: not taken): cu->swiglu_rows where its grid is
- * one wave and its copies fit, else 32. Why 64: the GPU resolves a dependency across a grid of
- * few blocks faster (matmul.cu, qc_gemv_q8_split_rows_kernel), and the down projection waits for
- * every block of this one. */
-static int swiglu_q8out_rows(const qc_cuda *cu, const qc_weight *w_gate, const qc_weight *w_up, int n) {
+#define QC_SWIGLU_Q8_THREADS (32 * QC_SWIGLU_ROWS / 2)
+#define QC_SWIGLU_Q8_BLOCKS_PER_SM 2
+static int swiglu_q8out_takes(const qc_cuda *cu, const qc_weight *w_gate, const qc_weight *w_up, int n) {
     const uint32_t t = w_gate->type;
-    if (!(n == 1 && w_up->type == t && (t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0) &&
-          w_gate->rows <= QC_Q8X_MAX_COLS))
-        return 0;
-    const int64_t rb = qc_row_bytes(t, w_gate->cols);
-    if (cu->swiglu_rows == QC_SWIGLU_ROWS_WIDE && w_gate->rows % QC_SWIGLU_ROWS_WIDE == 0 &&
-        w_gate->rows / QC_SWIGLU_ROWS_WIDE <= (int64_t)qc_swiglu_shape<QC_SWIGLU_ROWS_WIDE>::blocks_per_sm * cu->sm_count &&
-        cu->w_shared && 2 * qc_shared_copy_bytes(QC_SWIGLU_ROWS_WIDE * rb) <= QC_SWIGLU_SHARED_MAX)
-        return QC_SWIGLU_ROWS_WIDE;
-    return w_gate->rows % QC_SWIGLU_ROWS == 0 &&
-                   w_gate->rows / QC_SWIGLU_ROWS <= (int64_t)qc_swiglu_shape<QC_SWIGLU_ROWS>::blocks_per_sm * cu->sm_count
-               ? QC_SWIGLU_ROWS
-               : 0;
+    return n == 1 && w_up->type == t && (t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0) &&
+           w_gate->rows % QC_SWIGLU_ROWS == 0 && w_gate->rows <= QC_Q8X_MAX_COLS &&
+           w_gate->rows / QC_SWIGLU_ROWS <= (int64_t)QC_SWIGLU_Q8_BLOCKS_PER_SM * cu->sm_count;
 }
-template <int T, bool SH, int ROWS>
-__global__ void __launch_bounds__(qc_swiglu_shape<ROWS>::threads, qc_swiglu_shape<ROWS>::blocks_per_sm)
+template <int T, bool SH>
+__global__ void __launch_bounds__(QC_SWIGLU_Q8_THREADS, QC_SWIGLU_Q8_BLOCKS_PER_SM)
 qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu, int64_t row_bytes,
                                int64_t rows, int64_t cols, const qc_q8x xq, const float *norm_ss, float eps,
                                float *__restrict__ act, int8_t *__restrict__ act_qs, float2 *__restrict__ act_ds) {
-    __shared__ float act_s[ROWS];
+    __shared__ float act_s[QC_SWIGLU_ROWS];
     extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t r0 = (int64_t)blockIdx.x * ROWS;   /* rows is a multiple of ROWS */
-    const int64_t bytes = ROWS * row_bytes;
+    const int64_t r0 = (int64_t)blockIdx.x * QC_SWIGLU_ROWS;   /* rows is a multiple of QC_SWIGLU_ROWS */
+    const int64_t bytes = QC_SWIGLU_ROWS * row_bytes;
     /* SH: the block's gate and up rows copied into shared memory (qc_copy_to_shared), else
      * asked of L2 */
     const uint8_t *g = Wg + r0 * row_bytes, *u = Wu + r0 * row_bytes;
@@ -160,9 +147,7 @@ qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__
         act_s[2 * warp + 1] = act[r + 1] = qc_silu_mul(acc[2], acc[3]);
     }
     __syncthreads();
-    /* warp b quantizes the block's b-th block of 32 */
-    if (warp < ROWS / 32)
-        qc_q8_quantize_block(act_s[32 * warp + lane], lane, act_qs + r0 + 32 * warp, act_ds + r0 / 32 + warp);
+    if (warp == 0) qc_q8_quantize_block(act_s[lane], lane, act_qs + r0, act_ds + blockIdx.x);
 }
 
 /* A gate and an up weight of different types, one row after the other, each with its own GEMV
@@ -190,26 +175,6 @@ qc_gemv_swiglu_mixed_kernel(const uint8_t *__restrict__ Wg, int64_t gate_row_byt
     qc_gemv_row_either<NT>(gate_q8, gate_type, Wg + r * gate_row_bytes, cols, xq, xsn, x, n, t0, lane, g);
     qc_gemv_row_either<NT>(up_q8, up_type, Wu + r * up_row_bytes, cols, xq, xsn, x, n, t0, lane, u);
     qc_swiglu_store<NT>(g, u, lane, t0, n, rows, r, act);
-}
-
-/* The 32- (or 64-) row kernel's launch: sh, its rows copied into shared memory (`shared` bytes;
- * past the default 48 KB, opted in first). */
-template <int T, int ROWS>
-static void launch_swiglu_q8out(const uint8_t *Wg, const uint8_t *Wu, int64_t rb, int64_t rows, int64_t cols,
-                                const qc_q8x &xq, const float *norm_ss, float eps, float *act, int8_t *act_qs,
-                                float2 *act_ds, bool sh, size_t shared, const qc_cuda *cu) {
-    const dim3 grid((unsigned)(rows / ROWS)), block(qc_swiglu_shape<ROWS>::threads);
-    if (!sh) {
-        qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, false, ROWS>, grid, block, 0, Wg, Wu, rb, rows, cols, xq,
-                  norm_ss, eps, act, act_qs, act_ds);
-        return;
-    }
-    /* a failure here leaves the launch to fail, and QC_LAUNCHED to report it */
-    if (shared > QC_SHARED_COPY_MAX)
-        (void)cudaFuncSetAttribute(qc_gemv_q8_swiglu_q8out_kernel<T, true, ROWS>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared);
-    qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, true, ROWS>, grid, block, shared, Wg, Wu, rb, rows, cols, xq,
-              norm_ss, eps, act, act_qs, act_ds);
 }
 
 template <int T>
@@ -296,7 +261,7 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
         return qc_cuda_value_error(be, "matmul_swiglu: %lld rows is too many", (long long)rows);
     const dim3 grid((unsigned)blocks, qc_gemv_grid_y(n));
     /* one token, gate and up of one 32-element 8-bit type, one wave: the 32-row kernel */
-    const int q8out_rows = gate_q8 ? swiglu_q8out_rows(cu, w_gate, w_up, n) : 0, q8out = q8out_rows > 0;
+    const int q8out = gate_q8 && swiglu_q8out_takes(cu, w_gate, w_up, n);
     /* the 8-bit weights' x, normalised and quantized once here; the blocks normalise in shared
      * memory only for a float-GEMV weight. (The norm used to let the 32-row kernel launch before
      * its own wait, report 550e506; since the gate/up rows are read ahead into L2 (read_ahead),
@@ -326,22 +291,22 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
         int8_t *act_qs = (int8_t *)cu->q8x_act;
         float2 *act_ds = qc_q8x_ds_at(cu->q8x_act, 1, rows);
         const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
-        if (q8out_rows == QC_SWIGLU_ROWS_WIDE) {
-            const size_t shared = 2 * qc_shared_copy_bytes(QC_SWIGLU_ROWS_WIDE * rb);
-            switch (w_gate->type) {
-#define QC_CASE_(T) case T: launch_swiglu_q8out<T, QC_SWIGLU_ROWS_WIDE>(Wg, Wu, rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds, true, shared, cu); break;
-                QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
+        const dim3 grid32((unsigned)(rows / QC_SWIGLU_ROWS));
+        /* both weights' rows of a block into its shared memory, where they fit (0.5B: 39 KB) */
+        const size_t shared = 2 * qc_shared_copy_bytes(QC_SWIGLU_ROWS * rb);
+        const bool sh = cu->w_shared && shared <= QC_SHARED_COPY_MAX;
+        switch (w_gate->type) {
+#define QC_CASE_(T)                                                                                              \
+    case T:                                                                                                      \
+        if (sh)                                                                                                  \
+            qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, true>, grid32, dim3(QC_SWIGLU_Q8_THREADS), shared, Wg,  \
+                      Wu, rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds);                        \
+        else                                                                                                     \
+            qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, false>, grid32, dim3(QC_SWIGLU_Q8_THREADS), 0, Wg, Wu, \
+                      rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds);                            \
+        break;
+            QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
 #undef QC_CASE_
-            }
-        } else {
-            /* both weights' rows of a block into its shared memory, where they fit (0.5B: 39 KB) */
-            const size_t shared = 2 * qc_shared_copy_bytes(QC_SWIGLU_ROWS * rb);
-            const bool sh = cu->w_shared && shared <= QC_SHARED_COPY_MAX;
-            switch (w_gate->type) {
-#define QC_CASE_(T) case T: launch_swiglu_q8out<T, QC_SWIGLU_ROWS>(Wg, Wu, rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds, sh, shared, cu); break;
-                QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
-#undef QC_CASE_
-            }
         }
         if (QC_LAUNCHED(be, "qc_gemv_q8_swiglu_q8out_kernel") < 0) return -1;
         cu->q8x_of = act;

@@ -119,13 +119,10 @@ typedef struct qc_cuda {
     /* one-token GEMVs of more than a wave of blocks (the lm_head) with four rows a warp (matmul.cu,
      * qc_gemv_q8_rows4_kernel): QWENCUDA_GEMV_ROWS4 is not "0" at creation (to compare) */
     int gemv_rows4;
-    /* one-token GEMVs of long rows (qc_gemv_split: the down projection): at most this many rows a
-     * block (matmul.cu, qc_gemv_q8_split_rows_kernel; 1: qc_gemv_kernel's one row a block);
-     * QWENCUDA_SPLIT_ROWS (1, 2, 4 or 8) at creation */
+    /* one-token GEMVs of long rows (qc_gemv_split: the down projection) with two rows a block
+     * (matmul.cu, qc_gemv_q8_split_rows_kernel): 2, or 1 (qc_gemv_kernel's one row a block) where
+     * QWENCUDA_SPLIT_ROWS=1 at creation (to compare) */
     int split_rows;
-    /* the one-token gate/up kernel's rows a block (matmul_swiglu.cu, 32 or 64):
-     * QWENCUDA_SWIGLU_ROWS at creation */
-    int swiglu_rows;
     /* RoPE's (cos, sin) of pairs 0 .. head_dim / 2 - 1 at the position in rope_of_pos (device
      * memory), theta rope_of_theta, as that launch left them in rope_cs (QC_ROPE_CS_MAX, made at
      * creation) for the next layers' launches of the step; rope_of_pos NULL when there are none.

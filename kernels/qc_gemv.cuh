@@ -241,8 +241,7 @@ __device__ __forceinline__ void qc_gemv_row(const uint8_t *__restrict__ row, int
  * few to keep DRAM busy. Plain matmul and matmul_add use it (matmul.cu); the fused kernels
  * serve rows of dim columns and keep one warp per row. */
 #define QC_GEMV_SPLIT_COLS 2048
-#define QC_SPLIT_ROWS_DEFAULT 1          /* cu->split_rows (qc_cuda.cuh) unless QWENCUDA_SPLIT_ROWS */
-#define QC_SWIGLU_ROWS_DEFAULT 32        /* cu->swiglu_rows unless QWENCUDA_SWIGLU_ROWS */
+#define QC_SPLIT_ROWS 2                  /* rows a block of the one-token long-row GEMV (matmul.cu) */
 __host__ __device__ static inline int qc_gemv_split(int64_t cols) { return cols >= QC_GEMV_SPLIT_COLS ? QC_GEMV_WARPS : 1; }
 
 /* qc_gemv_row of two rows of one type (matmul_swiglu's gate and up rows) against the same x, in

@@ -325,14 +325,14 @@ def test_read_ahead_changes_no_bit(synth_dir, config, weight_type, monkeypatch):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"])
 def test_split_rows_change_no_bit(type_name, monkeypatch):
     """A one-token matmul of long rows (2048 columns or more: the down projection) computes each
-    row with the warps of a block, their slices added in warp order (kernels/matmul.cu); with
-    QWENCUDA_SPLIT_ROWS=2, 4 or 8 a block takes that many rows (qc_gemv_q8_split_rows_kernel, its
-    rows copied into shared memory as one piece), with 1 one row a block (qc_gemv_kernel). Each
-    row's operations are the same, so matmul and matmul_add must give the same bits at every
-    setting: 896 and 901 rows (a last block of 5, 1 and 1 rows at 8, 4 and 2), 4864 and 2048
-    columns (Q4_K and Q6_K rows not 16-byte aligned: 2736 and 3990 bytes at 4864), with a bias and
-    a residual. Where torch is present its profiler must see the kernel of that many rows run on
-    sm_90+ (where the weight copies are taken; elsewhere every setting is one row a block)."""
+    row with the warps of a block, their slices added in warp order (kernels/matmul.cu), two rows a
+    block by default (qc_gemv_q8_split_rows_kernel, both rows copied into shared memory as one
+    piece), one with QWENCUDA_SPLIT_ROWS=1 (qc_gemv_kernel). Each row's operations are the same, so
+    matmul and matmul_add must give the same bits either way: 896 and 901 rows (a last block of one
+    row), 4864 and 2048 columns (Q4_K and Q6_K rows not 16-byte aligned: 2736 and 3990 bytes at
+    4864), with a bias and a residual. Where torch is present its profiler must see the two-row
+    kernel run by default on sm_90+ (where the weight copies are taken; elsewhere both are one row
+    a block) and not with QWENCUDA_SPLIT_ROWS=1."""
     rng = np.random.default_rng(43)
     cases = []
     for rows, cols in [(896, 4864), (901, 2048)]:
@@ -344,61 +344,20 @@ def test_split_rows_change_no_bit(type_name, monkeypatch):
 
     def run():
         K.release("cuda")   # the kernels' backend is made again, reading the switch
-        return [(K.matmul(w, x, bias=b, device="cuda"), K.matmul_add(w, x, r, device="cuda")) for w, x, b, r in cases]
-
-    results = {}
-    for rb in ("1", "2", "4", "8"):
-        monkeypatch.setenv("QWENCUDA_SPLIT_ROWS", rb)
-        results[rb] = run()
+        got = [(K.matmul(w, x, bias=b, device="cuda"), K.matmul_add(w, x, r, device="cuda")) for w, x, b, r in cases]
         w, x, _, _ = cases[0]
-        ran = cuda_kernel_ran(lambda: K.matmul(w, x, device="cuda"), f"qc_gemv_q8_split_rows_kernel<{type_id}, {rb}>")
-        assert ran in (None, sm90 and rb != "1"), f"QWENCUDA_SPLIT_ROWS={rb}"
-    for rb in ("2", "4", "8"):
-        for (mm, ma), (pm, pa), (w, _, _, _) in zip(results[rb], results["1"], cases):
-            np.testing.assert_array_equal(mm, pm, err_msg=f"matmul {w}, {rb} rows a block")
-            np.testing.assert_array_equal(ma, pa, err_msg=f"matmul_add {w}, {rb} rows a block")
+        return got, cuda_kernel_ran(lambda: K.matmul(w, x, device="cuda"), f"qc_gemv_q8_split_rows_kernel<{type_id}, 2>")
+
+    monkeypatch.setenv("QWENCUDA_SPLIT_ROWS", "1")
+    one, ran = run()
+    assert ran in (None, False)
     monkeypatch.delenv("QWENCUDA_SPLIT_ROWS")
+    two, ran = run()
+    assert ran in (None, sm90)
+    for (mm, ma), (pm, pa), (w, _, _, _) in zip(two, one, cases):
+        np.testing.assert_array_equal(mm, pm, err_msg=f"matmul {w}")
+        np.testing.assert_array_equal(ma, pa, err_msg=f"matmul_add {w}")
     K.release("cuda")
-
-
-@pytest.mark.parametrize("config,weight_type", [("tiny-hd64", "q8_0"), ("tiny-gqa7", "q5_0"), ("tiny-hd128", "q4_0")])
-def test_swiglu_rows_change_no_bit(synth_dir, config, weight_type, monkeypatch):
-    """The one-token gate/up kernel (kernels/matmul_swiglu.cu, 32-element types) takes 32 rows a
-    block, or 64 with QWENCUDA_SWIGLU_ROWS=64 (two rows a warp either way, each with
-    qc_gemv_q8_row_slice's operations, and each block of 32 act values quantized by one warp as
-    qc_quantize_q8_kernel does). Its act and act's 8-bit form for the down projection are the
-    same, so one-token matmul_swiglu (4864 x 896: 152 or 76 blocks) and a model's decode steps
-    (the feed-forward norm handed over by the o projection, the 8-bit act to the down projection)
-    must give the same bits at both settings. Where torch is present its profiler must see the
-    64-row kernel run on sm_90+ (where its rows go into shared memory)."""
-    rng = np.random.default_rng(47)
-    wtype = {"q8_0": "Q8_0", "q5_0": "Q5_0", "q4_0": "Q4_0"}[weight_type]
-    wg, wu = (K.Weight.from_float(rng.standard_normal((4864, 896)).astype(np.float32), wtype) for _ in range(2))
-    x = rng.standard_normal(896).astype(np.float32)
-    path = synth(synth_dir, config, weight_type)
-    ids = [int(t) for t in _ids(30, 400, seed=17)]
-    sm90 = qwencuda.kernels.cuda_device_info(0)["compute_capability"] >= (9, 0)
-    type_id = int(gguf.GGMLQuantizationType[wtype])
-
-    def run():
-        K.release("cuda")
-        act = K.matmul_swiglu(wg, wu, x, device="cuda")
-        with qwencuda.Model(path, device="cuda") as m, m.session(max_context=40) as s:
-            s.prefill(ids[:14], logits=None)
-            return act, [s.step(t).logits for t in ids[14:]]
-
-    got = {}
-    for rows in ("32", "64"):
-        monkeypatch.setenv("QWENCUDA_SWIGLU_ROWS", rows)
-        got[rows] = run()
-        ran = cuda_kernel_ran(lambda: K.matmul_swiglu(wg, wu, x, device="cuda"),
-                              f"qc_gemv_q8_swiglu_q8out_kernel<{type_id}, true, 64>")
-        assert ran in (None, sm90 and rows == "64"), f"QWENCUDA_SWIGLU_ROWS={rows}"
-    monkeypatch.delenv("QWENCUDA_SWIGLU_ROWS")
-    K.release("cuda")
-    np.testing.assert_array_equal(got["64"][0], got["32"][0])
-    for a, b in zip(got["64"][1], got["32"][1]):
-        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_0", "Q4_K", "Q6_K"])

@@ -57,8 +57,8 @@ DECODE_KERNELS = [
     ("matmul.cu", r"_Z23qc_gemv_q8_rows4_kernel", 12),          # the lm_head: three types, SH or not, DRAW or not
     ("matmul.cu", r"_Z26qc_gemv_q8_add_norm_kernel", 6),        # the o projection
     ("matmul.cu", r"_Z14qc_gemv_kernelILi\d+ELi1E", 20),        # one token: the down projection, q/k/v
-    ("matmul.cu", r"_Z28qc_gemv_q8_split_rows_kernel", 15),    # the down projection, 2, 4 or 8 rows a block
-    ("matmul_swiglu.cu", r"_Z30qc_gemv_q8_swiglu_q8out_kernel", 12),  # gate/up: three types, SH or not, 32 or 64 rows
+    ("matmul.cu", r"_Z28qc_gemv_q8_split_rows_kernel", 5),     # the down projection, two rows a block
+    ("matmul_swiglu.cu", r"_Z30qc_gemv_q8_swiglu_q8out_kernel", 6),   # gate/up
     ("qkv_attention.cu", r"_Z23qc_qkv_attention_kernel", 8),    # the attention norm .. attention: 2 sizes
 ]
 

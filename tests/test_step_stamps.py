@@ -37,7 +37,7 @@ def test_patch_stamps_every_kernel_and_the_decode_phases(patched):
     assert (patched / "kernels/qc_cuda.cuh").read_text().count("qc_st_mark(") == 3   # definition, 1, 2
     marks = {f: (patched / "kernels" / f).read_text().count("qc_st_mark(") for f in
              ("matmul.cu", "matmul_swiglu.cu", "qkv_attention.cu")}
-    assert marks == {"matmul.cu": 5, "matmul_swiglu.cu": 2, "qkv_attention.cu": 3}
+    assert marks == {"matmul.cu": 7, "matmul_swiglu.cu": 2, "qkv_attention.cu": 3}
     assert "QC_STAMPS" in (patched / "kernels/cuda_backend.cu").read_text()
 
 
