@@ -105,7 +105,7 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
  * rows / RB blocks of RB * QC_GEMV_WARPS warps. The block's rows go into its shared memory before
  * the wait (qc_copy_to_shared, one copy for all RB).
  * Why: the GPU resolves a programmatic dependency across a grid of few blocks faster than across
- * one of many: scripts/sync_floor.cu on the H200 (report 20261202-5c31f3a-*, addendum), a chain of
+ * one of many: scripts/sync_floor.cu on the H200 (report 20261202-42e03b5-*, addendum), a chain of
  * empty kernels of 132 blocks 0.76 us a kernel, 224 1.10, 896 (the down projection's one row a
  * block) 1.51, and from 896 blocks to 224 1.20. Measured there (real file, rounds alternating in
  * one lease; QWENCUDA_SPLIT_ROWS at creation, 1 = qc_gemv_kernel): 2 rows a block (448 blocks

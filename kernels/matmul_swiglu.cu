@@ -93,7 +93,7 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restri
  * Where it is taken (swiglu_q8out_takes): two blocks an SM hold 64 registers a thread, which the
  * 256-element formats exceed (Q4_K, Q6_K spilled), and the grid must be one wave of them: the
  * 1.5B (8960 rows, Q4_K) and 7B (18944) decoded 1.7% and 5.6% slower with it.
- * Measured and not kept (H200, real file, report 20261202-5c31f3a-*, addendum): 64 rows a block
+ * Measured and not kept (H200, real file, report 20261202-42e03b5-*, addendum): 64 rows a block
  * (76 blocks of 1024 threads, 79 KB of copies), since a dependency across a grid of fewer blocks
  * resolves sooner (matmul.cu, qc_gemv_q8_split_rows_kernel): 2173.1 tok/s at 512 keys and 1842.4
  * at 2560 against 2224.2 and 1907.3 in the same round; a block holding a whole SM's registers
