@@ -484,8 +484,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->read_ahead = env_on("QWENCUDA_READ_AHEAD");
         cu->qkv_attention = env_on("QWENCUDA_QKV_ATTENTION");
         cu->gemv_rows4 = env_on("QWENCUDA_GEMV_ROWS4");
-        const char *split_rows = getenv("QWENCUDA_SPLIT_ROWS");
-        cu->split_rows = split_rows && strcmp(split_rows, "1") == 0 ? 1 : QC_SPLIT_ROWS;
+        cu->split_rows = env_on("QWENCUDA_SPLIT_ROWS");
         cu->head_draw = env_on("QWENCUDA_HEAD_DRAW");
         cu->copy_kernel = env_on("QWENCUDA_COPY_KERNEL");
     }

@@ -108,14 +108,18 @@ qc_gemv_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, i
  * one of many: scripts/sync_floor.cu on the H200 (report 20261202-42e03b5-*, addendum), a chain of
  * empty kernels of 132 blocks 0.76 us a kernel, 224 1.10, 896 (the down projection's one row a
  * block) 1.51, and from 896 blocks to 224 1.20. Measured there (real file, rounds alternating in
- * one lease; QWENCUDA_SPLIT_ROWS at creation, 1 = qc_gemv_kernel): 2 rows a block (448 blocks
+ * one lease; the rows a block chosen at creation, 1 = qc_gemv_kernel): 2 rows a block (448 blocks
  * of 256 threads) 2243.8-2248.5 tok/s at 512 keys and 1909.9-1918.2 at 2560 against 2221.1-2223.5
  * and 1895.7-1906.9 for 1; 4 rows (224 of 512) 2226.2-2235.6 and 1901.0-1906.2, even; 8 rows (112
  * of 1024, a whole SM's registers) 2080.4 and 1809.6, -6.5%: the blocks of the kernels before and
  * after it then find no room beside it until it leaves. So RB = QC_SPLIT_ROWS (2), and
- * QWENCUDA_SPLIT_ROWS=1 keeps one row a block, to compare. */
+ * QWENCUDA_SPLIT_ROWS=0 keeps one row a block, to compare. The grid is one wave where it has at
+ * most QC_GEMV_SHARED_BLOCKS_PER_SM / RB blocks an SM (qc_gemv_kernel's rule for its copies,
+ * RB times the threads a block), which __launch_bounds__ guarantees in registers, and a block's
+ * copy of at most QC_SHARED_COPY_MAX leaves room for them in shared memory (228 KB an SM on
+ * sm_90, where the copies are taken: cu->w_shared). */
 template <int T, int RB>
-__global__ void __launch_bounds__(32 * QC_GEMV_WARPS * RB, 8 / RB)
+__global__ void __launch_bounds__(32 * QC_GEMV_WARPS * RB, QC_GEMV_SHARED_BLOCKS_PER_SM / RB)
 qc_gemv_q8_split_rows_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t rows, int64_t cols,
                              const qc_q8x xq, const float *__restrict__ bias, const float *residual, float *out,
                              const qc_l2_ahead ahead, int launch_next) {
@@ -419,20 +423,12 @@ static bool rows4_takes(qc_backend *be, const qc_weight *w, int n, int launch_ne
            !launch_next;
 }
 
-/* The rows a block for a one-token GEMV of long rows (rb bytes each): cu->split_rows where its
- * copy fits QC_SHARED_COPY_MAX and its grid is one wave at that kernel's occupancy (the copies of
- * a later wave would wait in line), else 1 (qc_gemv_kernel). */
-template <int T>
-static int split_rows_for(const qc_cuda *cu, int64_t rows, int64_t rb) {
-    const size_t shared = qc_shared_copy_bytes(QC_SPLIT_ROWS * rb);
-    int per_sm = 0;
-    if (cu->split_rows != QC_SPLIT_ROWS || shared > QC_SHARED_COPY_MAX) return 1;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qc_gemv_q8_split_rows_kernel<T, QC_SPLIT_ROWS>,
-                                                      32 * QC_GEMV_WARPS * QC_SPLIT_ROWS, shared) != cudaSuccess) {
-        cudaGetLastError();   /* not an error of the matmul: it takes one row a block */
-        return 1;
-    }
-    return (rows + QC_SPLIT_ROWS - 1) / QC_SPLIT_ROWS <= (int64_t)per_sm * cu->sm_count ? QC_SPLIT_ROWS : 1;
+/* Whether a one-token GEMV of long rows (rb bytes each) takes qc_gemv_q8_split_rows_kernel: its
+ * block's copy fits and its grid is one wave (the copies of a later wave would wait in line). */
+static bool split_rows_takes(const qc_cuda *cu, int64_t rows, int64_t rb) {
+    return cu->split_rows && cu->w_shared && qc_shared_copy_bytes(QC_SPLIT_ROWS * rb) <= QC_SHARED_COPY_MAX &&
+           (rows + QC_SPLIT_ROWS - 1) / QC_SPLIT_ROWS <=
+               (int64_t)(QC_GEMV_SHARED_BLOCKS_PER_SM / QC_SPLIT_ROWS) * cu->sm_count;
 }
 
 /* draw: matmul_draw's (the four-row kernel's DRAW), or NULL. Returns whether the draw was launched. */
@@ -452,7 +448,7 @@ static bool launch_gemv_s(qc_backend *be, const qc_weight *w, const float *bias,
     if constexpr (Q8) {
         const bool one_wave = grid.x <= (unsigned)(QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count);
         if constexpr (S > 1) {
-            if (n == 1 && cu->w_shared && split_rows_for<T>(cu, w->rows, rb) == QC_SPLIT_ROWS) {
+            if (n == 1 && split_rows_takes(cu, w->rows, rb)) {
                 const dim3 grid_r((unsigned)((w->rows + QC_SPLIT_ROWS - 1) / QC_SPLIT_ROWS));
                 qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, QC_SPLIT_ROWS>, grid_r, dim3(32 * QC_GEMV_WARPS * QC_SPLIT_ROWS),
                           qc_shared_copy_bytes(QC_SPLIT_ROWS * rb), W, rb, w->rows, w->cols, xq, bias, residual, out,

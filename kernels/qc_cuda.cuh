@@ -119,9 +119,9 @@ typedef struct qc_cuda {
     /* one-token GEMVs of more than a wave of blocks (the lm_head) with four rows a warp (matmul.cu,
      * qc_gemv_q8_rows4_kernel): QWENCUDA_GEMV_ROWS4 is not "0" at creation (to compare) */
     int gemv_rows4;
-    /* one-token GEMVs of long rows (qc_gemv_split: the down projection) with two rows a block
-     * (matmul.cu, qc_gemv_q8_split_rows_kernel): 2, or 1 (qc_gemv_kernel's one row a block) where
-     * QWENCUDA_SPLIT_ROWS=1 at creation (to compare) */
+    /* one-token GEMVs of long rows (qc_gemv_split: the down projection) with QC_SPLIT_ROWS rows a
+     * block (matmul.cu, qc_gemv_q8_split_rows_kernel), not qc_gemv_kernel's one:
+     * QWENCUDA_SPLIT_ROWS is not "0" at creation (to compare) */
     int split_rows;
     /* RoPE's (cos, sin) of pairs 0 .. head_dim / 2 - 1 at the position in rope_of_pos (device
      * memory), theta rope_of_theta, as that launch left them in rope_cs (QC_ROPE_CS_MAX, made at

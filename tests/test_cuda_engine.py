@@ -327,12 +327,12 @@ def test_split_rows_change_no_bit(type_name, monkeypatch):
     """A one-token matmul of long rows (2048 columns or more: the down projection) computes each
     row with the warps of a block, their slices added in warp order (kernels/matmul.cu), two rows a
     block by default (qc_gemv_q8_split_rows_kernel, both rows copied into shared memory as one
-    piece), one with QWENCUDA_SPLIT_ROWS=1 (qc_gemv_kernel). Each row's operations are the same, so
+    piece), one with QWENCUDA_SPLIT_ROWS=0 (qc_gemv_kernel). Each row's operations are the same, so
     matmul and matmul_add must give the same bits either way: 896 and 901 rows (a last block of one
     row), 4864 and 2048 columns (Q4_K and Q6_K rows not 16-byte aligned: 2736 and 3990 bytes at
     4864), with a bias and a residual. Where torch is present its profiler must see the two-row
     kernel run by default on sm_90+ (where the weight copies are taken; elsewhere both are one row
-    a block) and not with QWENCUDA_SPLIT_ROWS=1."""
+    a block) and not with QWENCUDA_SPLIT_ROWS=0."""
     rng = np.random.default_rng(43)
     cases = []
     for rows, cols in [(896, 4864), (901, 2048)]:
@@ -348,7 +348,7 @@ def test_split_rows_change_no_bit(type_name, monkeypatch):
         w, x, _, _ = cases[0]
         return got, cuda_kernel_ran(lambda: K.matmul(w, x, device="cuda"), f"qc_gemv_q8_split_rows_kernel<{type_id}, 2>")
 
-    monkeypatch.setenv("QWENCUDA_SPLIT_ROWS", "1")
+    monkeypatch.setenv("QWENCUDA_SPLIT_ROWS", "0")
     one, ran = run()
     assert ran in (None, False)
     monkeypatch.delenv("QWENCUDA_SPLIT_ROWS")
