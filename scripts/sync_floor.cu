@@ -10,14 +10,30 @@
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/sync_floor scripts/sync_floor.cu && /tmp/sync_floor
 // Measured: bench/results/20261125-8c20074-*, addendum.
 #include <cstdio>
+#include <cstring>
 #include <cuda_runtime.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
 
-__global__ void step_kernel(const float *in, float *out, int pdl) {
+// read: bytes each block reads after its wait (float4 loads by all its threads, from L2), from
+// src: the same bytes for every block (READ_SAME, as every block of a GEMV reads its x), a copy
+// of them for each block (READ_OWN), or one of 16 copies (READ_COPIES: block b the b % 16th).
+enum { READ_SAME, READ_OWN, READ_COPIES };
+__global__ void step_kernel(const float *in, float *out, int pdl, const float *src, int read, int mode) {
     if (pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
     float v = __ldcg(in + (blockIdx.x * 7) % gridDim.x);     // what the kernel before wrote
+    if (read) {
+        const int copy = mode == READ_OWN ? blockIdx.x : mode == READ_COPIES ? blockIdx.x % 16 : 0;
+        const float4 *p = (const float4 *)(src + (size_t)copy * (read / 4));
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int i = threadIdx.x; i < read / 16; i += blockDim.x) {
+            const float4 x = __ldcg(p + i);
+            acc.x += x.x, acc.y += x.y, acc.z += x.z, acc.w += x.w;
+        }
+        v += acc.x + acc.y + acc.z + acc.w;
+        __syncthreads();   // the block's loads all back, as a GEMV's x before its dot products
+    }
     if (pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    if (threadIdx.x == 0) out[blockIdx.x] = v + 1.0f;
+    if (threadIdx.x == 0 || (read && v == 12345.0f)) out[blockIdx.x] = v + 1.0f;
 }
 
 __device__ unsigned long long bar_count;
@@ -37,7 +53,9 @@ __global__ void barrier_kernel(int rounds, float *buf) {
     }
 }
 
-static int chain(const int (&sh)[2][2], int pdl, int n, float *a, float *b, cudaStream_t s) {
+struct shape { int sh[2][2]; int read, mode; };
+static int chain(const shape &S, int pdl, int n, float *a, float *b, const float *src, cudaStream_t s) {
+    const int (&sh)[2][2] = S.sh;
     cudaGraph_t g; cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (int i = 0; i < n; i++) {
@@ -45,7 +63,7 @@ static int chain(const int (&sh)[2][2], int pdl, int n, float *a, float *b, cuda
         attr.val.programmaticStreamSerializationAllowed = 1;
         cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3(sh[i & 1][0]); cfg.blockDim = dim3(sh[i & 1][1]); cfg.stream = s;
         cfg.attrs = &attr; cfg.numAttrs = pdl ? 1 : 0;
-        CK(cudaLaunchKernelEx(&cfg, step_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, pdl));
+        CK(cudaLaunchKernelEx(&cfg, step_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, pdl, src, S.read, S.mode));
     }
     CK(cudaStreamEndCapture(s, &g));
     CK(cudaGraphInstantiate(&ge, g, 0));
@@ -56,8 +74,10 @@ static int chain(const int (&sh)[2][2], int pdl, int n, float *a, float *b, cuda
         cudaEventRecord(e0, s); CK(cudaGraphLaunch(ge, s)); cudaEventRecord(e1, s); CK(cudaStreamSynchronize(s));
         float ms; cudaEventElapsedTime(&ms, e0, e1); if (ms < best) best = ms;
     }
-    printf("chain of %d kernels, %4d x %3d then %4d x %3d, %s: %.3f us a kernel (best of 5)\n", n, sh[0][0], sh[0][1],
-           sh[1][0], sh[1][1], pdl ? "PDL      " : "plain    ", best * 1000.0f / n);
+    printf("chain of %d kernels, %4d x %3d then %4d x %3d, %s", n, sh[0][0], sh[0][1], sh[1][0], sh[1][1],
+           pdl ? "PDL      " : "plain    ");
+    if (S.read) printf(", reading %d bytes a block (%s)", S.read, S.mode == READ_OWN ? "its own" : S.mode == READ_COPIES ? "one of 16 copies" : "the same");
+    printf(": %.3f us a kernel (best of 5)\n", best * 1000.0f / n);
     cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
     return 0;
 }
@@ -65,25 +85,37 @@ static int chain(const int (&sh)[2][2], int pdl, int n, float *a, float *b, cuda
 // Shapes from the command line: "BxT" (a chain of grids of B blocks of T threads) or "B1xT1:B2xT2"
 // (grids of the two shapes in turn: what a dependency from one kernel to the next costs when
 // they differ, as the o projection's 28 blocks before the gate/up kernel's 152); none: the
-// engine's shapes below.
-static int parse(const char *arg, int (&sh)[2][2]) {
-    int n = sscanf(arg, "%dx%d:%dx%d", &sh[0][0], &sh[0][1], &sh[1][0], &sh[1][1]);
-    if (n == 2) sh[1][0] = sh[0][0], sh[1][1] = sh[0][1];
-    return n == 2 || n == 4 ? 0 : 1;
+// engine's shapes below. A shape may end in "/R" and a letter: each block then reads R bytes (a
+// multiple of 16, at most READ_MAX) after its wait: s the same bytes as every other block, o its
+// own, c one of 16 copies ("224x256/3584s": qkv_attention's grid reading x as its blocks do).
+#define READ_MAX 8192
+static int parse(const char *arg, shape &S) {
+    char mode = 0, tail = 0;
+    S.read = 0;
+    const char *slash = strchr(arg, '/');
+    if (slash && (sscanf(slash + 1, "%d%c%c", &S.read, &mode, &tail) != 2 || !strchr("soc", mode))) return 1;
+    int n = sscanf(arg, "%dx%d:%dx%d", &S.sh[0][0], &S.sh[0][1], &S.sh[1][0], &S.sh[1][1]);
+    if (n == 2) S.sh[1][0] = S.sh[0][0], S.sh[1][1] = S.sh[0][1];
+    S.mode = mode == 'o' ? READ_OWN : mode == 'c' ? READ_COPIES : READ_SAME;
+    return (n != 2 && n != 4) || S.read < 0 || S.read % 16 || S.read > READ_MAX;
 }
 
 int main(int argc, char **argv) {
     int sms = 0; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    float *a, *b; CK(cudaMalloc(&a, 4096 * sizeof(float))); CK(cudaMalloc(&b, 4096 * sizeof(float)));
+    float *a, *b, *src; CK(cudaMalloc(&a, 4096 * sizeof(float))); CK(cudaMalloc(&b, 4096 * sizeof(float)));
+    CK(cudaMalloc(&src, (size_t)4096 * READ_MAX)); CK(cudaMemset(src, 0, (size_t)4096 * READ_MAX));
     CK(cudaMemset(a, 0, 4096 * sizeof(float))); CK(cudaMemset(b, 0, 4096 * sizeof(float)));
     cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     const char *engine[] = {"28x256", "112x512", "152x512", "896x256", "4096x256"};
     const int n_args = argc > 1 ? argc - 1 : 5;
     for (int i = 0; i < n_args; i++) {
-        int sh[2][2];
-        if (parse(argc > 1 ? argv[i + 1] : engine[i], sh)) { printf("bad shape %s\n", argv[i + 1]); return 1; }
+        shape S;
+        if (parse(argc > 1 ? argv[i + 1] : engine[i], S) || S.sh[0][0] > 4096 || S.sh[1][0] > 4096) {
+            printf("bad shape %s\n", argv[i + 1]);
+            return 1;
+        }
         for (int pdl = 0; pdl < 2; pdl++)
-            if (chain(sh, pdl, 2000, a, b, s)) return 1;
+            if (chain(S, pdl, 2000, a, b, src, s)) return 1;
     }
     if (argc > 1) return 0;
     for (int per_sm = 1; per_sm <= 4; per_sm *= 2) {
