@@ -47,16 +47,15 @@ qc_attention_kernel(const float *__restrict__ q, const KV *__restrict__ k_cache,
     qc_grid_start();
     const int last = pos[t];     /* keys 0..last */
 
-    float qr[QC_ATT_MAXD];
-    qc_att_run run;
+    float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
     const float *qv = q + ((int64_t)t * n_head + h) * head_dim;
-    qc_att_load_q<G>(qv, head_dim, lane, qr, run.acc);
+    qc_att_load_q<G>(qv, head_dim, lane, qr, acc);
+    float m = -INFINITY, l = 0.0f;
     float *srow = scores ? scores + ((int64_t)h * n + t) * n_kv : nullptr;
     qc_att_keys<G, KV>(qr, k_cache + (int64_t)kvh * head_dim, v_cache + (int64_t)kvh * head_dim,
-                       kv_dim, head_dim, scale, group, groups, last, gmask, lane, srow, n_kv, run);
-    qc_att_run_end<G>(run, head_dim, lane);
+                       kv_dim, head_dim, scale, group, groups, last, gmask, lane, srow, n_kv, m, l, acc);
 
-    const float M = qc_att_publish<G>(smem, group, groups, lane, head_dim, run.m, run.l, run.acc);
+    const float M = qc_att_publish<G>(smem, group, groups, lane, head_dim, m, l, acc);
     const float L = qc_att_merged(smem, groups, head_dim, M, -1);
     const float inv_L = L > 0.0f ? 1.0f / L : 0.0f;
     float *o = out + ((int64_t)t * n_head + h) * head_dim;

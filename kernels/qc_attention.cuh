@@ -45,30 +45,15 @@ __device__ __forceinline__ void qc_att_load_kv(const KV *k, const KV *v, int j, 
     }
 }
 
-/* A group's online softmax over its keys (running max m, sum l, output acc), the keys folded in
- * two at a time: the 1st and 2nd of the group's sequence, the 3rd and 4th, ..., an odd last one
- * alone (qc_att_run_end). A key taken while none waits is held (pending: its score and this
- * lane's V as floats) until the next, so the pairs are the same whichever loop takes them: the
- * held keys, the walk through the cache, qkv_attention's new key from shared memory; every
- * kernel of this file's attention gives the same bits.
- * Why pairs: a key's score is a chain (dot product, log2 G shuffles, the scale) and its fold
- * another (max, two exps, the sums), and a group walked its keys one chain after another:
- * about 0.33 us a key past the held ones on the H200 (report 20261201-8619ff6, step stamps),
- * while their K and V rows came from L2 in time (two rows in flight were even, report
- * 20261201-1546b11). Two keys' scores are independent, so their chains overlap, and one fold
- * (one max, three exps) takes both. */
-struct qc_att_run {
-    float m = -INFINITY, l = 0.0f;
-    float acc[QC_ATT_MAXD];
-    float ps, pv[QC_ATT_MAXD];   /* the pending key's score and V */
-    bool pending = false;
-};
-
-/* This lane's part of q . K summed over the group's G lanes, times scale: the key's score.
- * kd(i): this lane's dimension lane + i * G of the key's K row as a float. */
-template <int G, class KD>
-__device__ __forceinline__ float qc_att_score(const float (&qr)[QC_ATT_MAXD], KD kd, int head_dim, float scale,
-                                              unsigned gmask, int lane) {
+/* One key j of a group's online softmax: the score of q (qr) against K, then m, l and acc
+ * updated with V; kd(i) and vd(i) give this lane's dimension lane + i * G of the key's K and V
+ * rows as floats (straight from the cache, or from registers loaded ahead). When srow is not
+ * NULL, lane 0 writes the scaled score (j < n_kv). */
+template <int G, class KD, class VD>
+__device__ __forceinline__ void qc_att_key(const float (&qr)[QC_ATT_MAXD], KD kd, VD vd, int j,
+                                           int head_dim, float scale, unsigned gmask, int lane,
+                                           float *srow, int n_kv, float &m, float &l,
+                                           float (&acc)[QC_ATT_MAXD]) {
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < QC_ATT_MAXD; i++) {
@@ -77,154 +62,74 @@ __device__ __forceinline__ float qc_att_score(const float (&qr)[QC_ATT_MAXD], KD
     }
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) s += __shfl_xor_sync(gmask, s, off, G);
-    return s * scale;
-}
-/* This lane's dimensions of a key's V row as floats (vd as kd above). */
-template <int G, class VD>
-__device__ __forceinline__ void qc_att_v(VD vd, int head_dim, int lane, float (&v)[QC_ATT_MAXD]) {
-#pragma unroll
-    for (int i = 0; i < QC_ATT_MAXD; i++) v[i] = lane + i * G < head_dim ? vd(i) : 0.0f;
-}
-
-/* One key (score s, V v) folded into the run; two keys (a, then b). */
-template <int G>
-__device__ __forceinline__ void qc_att_fold1(qc_att_run &r, float s, const float (&v)[QC_ATT_MAXD], int head_dim,
-                                             int lane) {
-    const float m_new = fmaxf(r.m, s);
-    const float corr = expf(r.m - m_new);   /* 0 on the first key (m = -inf) */
+    s *= scale;
+    if (srow && lane == 0 && j < n_kv) srow[j] = s;
+    const float m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new);     /* 0 on the first key (m = -inf) */
     const float p = expf(s - m_new);
-    r.l = r.l * corr + p;
+    l = l * corr + p;
 #pragma unroll
-    for (int i = 0; i < QC_ATT_MAXD; i++)
-        if (lane + i * G < head_dim) r.acc[i] = fmaf(p, v[i], r.acc[i] * corr);
-    r.m = m_new;
-}
-template <int G>
-__device__ __forceinline__ void qc_att_fold2(qc_att_run &r, float sa, const float (&va)[QC_ATT_MAXD], float sb,
-                                             const float (&vb)[QC_ATT_MAXD], int head_dim, int lane) {
-    const float m_new = fmaxf(r.m, fmaxf(sa, sb));
-    const float corr = expf(r.m - m_new);
-    const float pa = expf(sa - m_new), pb = expf(sb - m_new);
-    r.l = r.l * corr + pa + pb;
-#pragma unroll
-    for (int i = 0; i < QC_ATT_MAXD; i++)
-        if (lane + i * G < head_dim) r.acc[i] = fmaf(pb, vb[i], fmaf(pa, va[i], r.acc[i] * corr));
-    r.m = m_new;
+    for (int i = 0; i < QC_ATT_MAXD; i++) {
+        const int d = lane + i * G;
+        if (d < head_dim) acc[i] = fmaf(p, vd(i), acc[i] * corr);
+    }
+    m = m_new;
 }
 
-/* The next key of the group's sequence (score s, V v), or the next two (a, then b). */
-template <int G>
-__device__ __forceinline__ void qc_att_take(qc_att_run &r, float s, const float (&v)[QC_ATT_MAXD], int head_dim,
-                                            int lane) {
-    if (r.pending) {
-        qc_att_fold2<G>(r, r.ps, r.pv, s, v, head_dim, lane);
-        r.pending = false;
-        return;
-    }
-    r.ps = s;
-#pragma unroll
-    for (int i = 0; i < QC_ATT_MAXD; i++) r.pv[i] = v[i];
-    r.pending = true;
-}
-template <int G>
-__device__ __forceinline__ void qc_att_take2(qc_att_run &r, float sa, const float (&va)[QC_ATT_MAXD], float sb,
-                                             const float (&vb)[QC_ATT_MAXD], int head_dim, int lane) {
-    if (!r.pending) {
-        qc_att_fold2<G>(r, sa, va, sb, vb, head_dim, lane);
-        return;
-    }
-    qc_att_fold2<G>(r, r.ps, r.pv, sa, va, head_dim, lane);
-    r.ps = sb;
-#pragma unroll
-    for (int i = 0; i < QC_ATT_MAXD; i++) r.pv[i] = vb[i];
-}
-/* After the group's last key: a pending one alone. */
-template <int G>
-__device__ __forceinline__ void qc_att_run_end(qc_att_run &r, int head_dim, int lane) {
-    if (r.pending) qc_att_fold1<G>(r, r.ps, r.pv, head_dim, lane);
-    r.pending = false;
-}
-
-/* The group's keys first, first + stride, ... <= last of one KV head (k and v point at that head
- * in key 0's row), two at a time, taken into r. When srow is not NULL, lane 0 writes each scaled
- * score below n_kv. */
+/* Online softmax of one group over keys first, first + stride, ... <= last of one KV head
+ * (k and v point at that head in key 0's row): running max m, sum l and output acc. When srow is
+ * not NULL, lane 0 writes each scaled score below n_kv. */
 template <int G, typename KV>
-__device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v, int kv_dim,
-                                            int head_dim, float scale, int first, int stride, int last,
-                                            unsigned gmask, int lane, float *srow, int n_kv, qc_att_run &r) {
-    for (int j = first; j <= last; j += 2 * stride) {
-        const int jb = j + stride;
-        const KV *ka = k + (int64_t)j * kv_dim + lane, *vra = v + (int64_t)j * kv_dim + lane;
-        float va[QC_ATT_MAXD];
-        if (jb <= last) {
-            const KV *kb = k + (int64_t)jb * kv_dim + lane, *vrb = v + (int64_t)jb * kv_dim + lane;
-            float vb[QC_ATT_MAXD];
-            qc_att_v<G>([&](int i) { return qc_kv_get(vra + i * G); }, head_dim, lane, va);
-            qc_att_v<G>([&](int i) { return qc_kv_get(vrb + i * G); }, head_dim, lane, vb);
-            const float sa = qc_att_score<G>(qr, [&](int i) { return qc_kv_get(ka + i * G); }, head_dim, scale, gmask,
-                                             lane);
-            const float sb = qc_att_score<G>(qr, [&](int i) { return qc_kv_get(kb + i * G); }, head_dim, scale, gmask,
-                                             lane);
-            if (srow && lane == 0) {
-                if (j < n_kv) srow[j] = sa;
-                if (jb < n_kv) srow[jb] = sb;
-            }
-            qc_att_take2<G>(r, sa, va, sb, vb, head_dim, lane);
-        } else {
-            qc_att_v<G>([&](int i) { return qc_kv_get(vra + i * G); }, head_dim, lane, va);
-            const float sa = qc_att_score<G>(qr, [&](int i) { return qc_kv_get(ka + i * G); }, head_dim, scale, gmask,
-                                             lane);
-            if (srow && lane == 0 && j < n_kv) srow[j] = sa;
-            qc_att_take<G>(r, sa, va, head_dim, lane);
-        }
+__device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], const KV *k,
+                                            const KV *v, int kv_dim, int head_dim, float scale,
+                                            int first, int stride, int last, unsigned gmask,
+                                            int lane, float *srow, int n_kv, float &m, float &l,
+                                            float (&acc)[QC_ATT_MAXD]) {
+    for (int j = first; j <= last; j += stride) {
+        const KV *kr = k + (int64_t)j * kv_dim + lane, *vr = v + (int64_t)j * kv_dim + lane;
+        qc_att_key<G>(qr, [&](int i) { return qc_kv_get(kr + i * G); }, [&](int i) { return qc_kv_get(vr + i * G); },
+                      j, head_dim, scale, gmask, lane, srow, n_kv, m, l, acc);
     }
 }
 
-/* The same walk with the next two keys' K and V rows loaded into registers before these two
- * keys' arithmetic, so that it is not a chain of load latencies (the split-K decode kernel of a
- * 3B layer took 11 us at 512 keys on the H100 without it); keys `first` and `first + stride`
- * (or `last` again past it) are already in next[0], next[1], loaded by the caller
- * (qc_att_split_partial issues them beside q's). The arithmetic is qc_att_keys'; the kernels with
- * fewer registers to spare (the exact one of 1024 threads, the persistent decode kernel) take
- * qc_att_keys.
- * Measured and not kept, with one key folded at a time (before the pairs): two keys in flight (a
- * ring of two register slots, the same keys in the same order; H200, real file, one lease, report
- * 20261201-1546b11, addendum): beside the 16-block clusters, 2157.2-2167.0 tok/s at 512 keys
- * against 2161.5-2183.2 with one and 1876.7-1887.2 at 2560 against 1875.3-1882.5; beside clusters
- * of 8, 2138.0-2147.9 against 2154.2-2168.4 at 512 keys (962814b) and 1854.1-1858.7 against
- * 1843.7-1852.9 at 2560. A lane's four dimensions contiguous (lane k holding 4k .. 4k + 3, not k,
- * k + G, ...), so that a K or V row came in one 8-byte load a lane instead of four of 2 bytes
- * (report 20261201-8619ff6, addendum, three alternating rounds against 8619ff6): 2159.8-2170.4
- * tok/s at 512 keys against 2168.3-2179.0, 1828.6-1836.0 at 2560 against 1867.7-1871.1. */
+/* The same loop with each next key's K and V loaded into registers before this key's
+ * arithmetic, so that it is not a chain of load latencies (the split-K decode kernel of a 3B
+ * layer took 11 us at 512 keys on the H100 without it); key `first`'s rows are already in
+ * k_next, v_next, loaded by the caller (qc_att_split_partial issues them beside q's). The
+ * arithmetic is qc_att_keys'; the kernels with fewer registers to spare (the exact one of 1024
+ * threads, the persistent decode kernel) take qc_att_keys.
+ * Measured and not kept: two keys in flight (a ring of two register slots, the same keys in the
+ * same order). Past the keys held before the wait (QC_ATT_HELD: all of them up to 512 keys at
+ * head_dim 64) a group walks its keys one L2 round trip each, and 2560 keys cost the real 0.5B
+ * file's step 79 us more than 512, where their 1 MB of K and V a layer is 0.2 us of HBM time. Yet
+ * two in flight (H200, real file, one lease, report 20261201-1546b11, addendum) gave, beside the
+ * 16-block clusters, 2157.2-2167.0 tok/s at 512 keys against 2161.5-2183.2 with one and
+ * 1876.7-1887.2 at 2560 against 1875.3-1882.5; beside clusters of 8, 2138.0-2147.9 against
+ * 2154.2-2168.4 at 512 keys (962814b) and 1854.1-1858.7 against 1843.7-1852.9 at 2560.
+ * Step stamps of 8619ff6 (report 20261201-8619ff6, addendum) put the walk at about 0.33 us a key:
+ * qkv_attention's partials are done 7.8-8.0 us after its release at 2560 keys, 5.3 at 512. Also
+ * measured and not kept there (three alternating rounds in one lease, against 8619ff6): a lane's
+ * four dimensions contiguous (lane k holding 4k .. 4k + 3, not k, k + G, ...), so that a K or V
+ * row came in one 8-byte load a lane instead of four of 2 bytes: 2159.8-2170.4 tok/s at 512 keys
+ * against 2168.3-2179.0, 1828.6-1836.0 at 2560 against 1867.7-1871.1. */
 template <int G, typename KV>
 __device__ __forceinline__ void qc_att_keys_ahead(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v,
                                                   int kv_dim, int head_dim, float scale, int first, int stride,
-                                                  int last, unsigned gmask, int lane, qc_att_run &r,
-                                                  KV (&k_next)[2][QC_ATT_MAXD], KV (&v_next)[2][QC_ATT_MAXD]) {
-    for (int j = first; j <= last; j += 2 * stride) {
-        KV kr[2][QC_ATT_MAXD], vr[2][QC_ATT_MAXD];
+                                                  int last, unsigned gmask, int lane, float &m, float &l,
+                                                  float (&acc)[QC_ATT_MAXD], KV (&k_next)[QC_ATT_MAXD],
+                                                  KV (&v_next)[QC_ATT_MAXD]) {
+    for (int j = first; j <= last; j += stride) {
+        KV kr[QC_ATT_MAXD], vr[QC_ATT_MAXD];
 #pragma unroll
         for (int i = 0; i < QC_ATT_MAXD; i++) {
-            kr[0][i] = k_next[0][i], vr[0][i] = v_next[0][i];
-            kr[1][i] = k_next[1][i], vr[1][i] = v_next[1][i];
+            kr[i] = k_next[i];
+            vr[i] = v_next[i];
         }
         /* unconditional (past `last`: key `last` again, unused): loaded under a branch, the
-         * next keys' rows were waited for where it joined, before these keys' arithmetic */
-        const int j2 = j + 2 * stride, j3 = j + 3 * stride;
-        qc_att_load_kv<G, KV>(k, v, j2 <= last ? j2 : last, kv_dim, head_dim, lane, k_next[0], v_next[0]);
-        qc_att_load_kv<G, KV>(k, v, j3 <= last ? j3 : last, kv_dim, head_dim, lane, k_next[1], v_next[1]);
-        float va[QC_ATT_MAXD], vb[QC_ATT_MAXD];
-        qc_att_v<G>([&](int i) { return qc_kv_float(vr[0][i]); }, head_dim, lane, va);
-        const float sa = qc_att_score<G>(qr, [&](int i) { return qc_kv_float(kr[0][i]); }, head_dim, scale, gmask,
-                                         lane);
-        if (j + stride <= last) {
-            qc_att_v<G>([&](int i) { return qc_kv_float(vr[1][i]); }, head_dim, lane, vb);
-            const float sb = qc_att_score<G>(qr, [&](int i) { return qc_kv_float(kr[1][i]); }, head_dim, scale, gmask,
-                                             lane);
-            qc_att_take2<G>(r, sa, va, sb, vb, head_dim, lane);
-        } else {
-            qc_att_take<G>(r, sa, va, head_dim, lane);
-        }
+         * next key's rows were waited for where it joined, before this key's arithmetic */
+        qc_att_load_kv<G, KV>(k, v, j + stride <= last ? j + stride : last, kv_dim, head_dim, lane, k_next, v_next);
+        qc_att_key<G>(qr, [&](int i) { return qc_kv_float(kr[i]); }, [&](int i) { return qc_kv_float(vr[i]); },
+                      j, head_dim, scale, gmask, lane, nullptr, 0, m, l, acc);
     }
 }
 
@@ -423,64 +328,44 @@ __device__ __forceinline__ void qc_att_split_partial(const float *q, const KV *k
 #pragma unroll
     for (int r = 0; r < R; r++) n_held += sh.first + r * sh.stride < held->end;
     const int rest = sh.first + n_held * sh.stride;
-    float qr[QC_ATT_MAXD];
-    qc_att_run run;
-    if constexpr (NEW) qc_att_load_q<G, true>(q, head_dim, lane, qr, run.acc);
-    else qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, run.acc);
-    /* AHEAD: the first two keys after the held ones are loaded beside q, not after the held keys'
+    float qr[QC_ATT_MAXD], acc[QC_ATT_MAXD];
+    if constexpr (NEW) qc_att_load_q<G, true>(q, head_dim, lane, qr, acc);
+    else qc_att_load_q<G>(q + ((int64_t)t * n_head + h) * head_dim, head_dim, lane, qr, acc);
+    /* AHEAD: the first key after the held ones is loaded beside q, not after the held keys'
      * arithmetic has waited for q: one L2 round trip instead of two before the loop (at 513 to
      * 768 keys every head has groups with a third key, and the new key is one). Unconditional
      * (past last_key: key last_key, unused), as in qc_att_keys_ahead. H100, real file, one
-     * lease, with one key ahead: 1794-1810 -> 1805-1819 tok/s at 512 keys, even at 2560
-     * (1577-1591 -> 1580-1589); 57 registers a thread instead of 49
-     * (bench/results/20261124-e49438a-*, addendum). */
-    KV k_next[2][QC_ATT_MAXD], v_next[2][QC_ATT_MAXD];
+     * lease: 1794-1810 -> 1805-1819 tok/s at 512 keys, even at 2560 (1577-1591 -> 1580-1589);
+     * 57 registers a thread instead of 49 (bench/results/20261124-e49438a-*, addendum). */
+    KV k_next[QC_ATT_MAXD], v_next[QC_ATT_MAXD];
     if constexpr (AHEAD) {
         /* (NEW at key 0: no key in the cache, nothing to load) */
-        if (!NEW || last_key >= 0) {
-            const int second = rest + sh.stride;
-            qc_att_load_kv<G, KV>(k, v, rest <= last_key ? rest : last_key, kv_dim, head_dim, lane, k_next[0],
-                                  v_next[0]);
-            qc_att_load_kv<G, KV>(k, v, second <= last_key ? second : last_key, kv_dim, head_dim, lane, k_next[1],
-                                  v_next[1]);
-        }
+        if (!NEW || last_key >= 0)
+            qc_att_load_kv<G, KV>(k, v, rest <= last_key ? rest : last_key, kv_dim, head_dim, lane, k_next, v_next);
     }
-    /* the held keys, two at a time (qc_att_run) */
+    float m = -INFINITY, l = 0.0f;
 #pragma unroll
-    for (int r = 0; r < R; r += 2) {
-        if (r >= n_held) continue;
-        float va[QC_ATT_MAXD];
-        qc_att_v<G>([&](int i) { return qc_kv_float(held->v[r][i]); }, head_dim, lane, va);
-        const float sa = qc_att_score<G>(qr, [&](int i) { return qc_kv_float(held->k[r][i]); }, head_dim, scale, gmask,
-                                         lane);
-        if (r + 1 < n_held) {
-            const int rb = r + 1 < R ? r + 1 : r;   /* (n_held <= R: r + 1 < R here; the index stays in range) */
-            float vb[QC_ATT_MAXD];
-            qc_att_v<G>([&](int i) { return qc_kv_float(held->v[rb][i]); }, head_dim, lane, vb);
-            const float sb = qc_att_score<G>(qr, [&](int i) { return qc_kv_float(held->k[rb][i]); }, head_dim, scale,
-                                             gmask, lane);
-            qc_att_take2<G>(run, sa, va, sb, vb, head_dim, lane);
-        } else {
-            qc_att_take<G>(run, sa, va, head_dim, lane);
-        }
+    for (int r = 0; r < R; r++) {
+        if (r < n_held)
+            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(held->k[r][i]); },
+                          [&](int i) { return qc_kv_float(held->v[r][i]); }, sh.first + r * sh.stride, head_dim,
+                          scale, gmask, lane, nullptr, 0, m, l, acc);
     }
     if constexpr (AHEAD)
-        qc_att_keys_ahead<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, run,
+        qc_att_keys_ahead<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, m, l, acc,
                                  k_next, v_next);
     else
-        qc_att_keys<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr, 0, run);
+        qc_att_keys<G, KV>(qr, k, v, kv_dim, head_dim, scale, rest, sh.stride, last_key, gmask, lane, nullptr, 0, m, l,
+                           acc);
     if constexpr (NEW) {
-        if (new_key >= sh.first && (new_key - sh.first) % sh.stride == 0) {
-            float vn[QC_ATT_MAXD];
-            qc_att_v<G>([&](int i) { return qc_kv_float(new_v[lane + i * G]); }, head_dim, lane, vn);
-            const float sn = qc_att_score<G>(qr, [&](int i) { return qc_kv_float(new_k[lane + i * G]); }, head_dim,
-                                             scale, gmask, lane);
-            qc_att_take<G>(run, sn, vn, head_dim, lane);
-        }
+        if (new_key >= sh.first && (new_key - sh.first) % sh.stride == 0)
+            qc_att_key<G>(qr, [&](int i) { return qc_kv_float(new_k[lane + i * G]); },
+                          [&](int i) { return qc_kv_float(new_v[lane + i * G]); }, new_key, head_dim, scale, gmask,
+                          lane, nullptr, 0, m, l, acc);
     }
-    qc_att_run_end<G>(run, head_dim, lane);
 
-    const float M = qc_att_publish<G>(pub, group, groups, lane, head_dim, run.m, run.l, run.acc);
+    /* a split with no keys (short contexts) leaves m = -inf, l = 0: the merge skips it */
+    const float M = qc_att_publish<G>(pub, group, groups, lane, head_dim, m, l, acc);
     if (tid == 0) {
         mine[0] = M;
         mine[1] = qc_att_merged(pub, groups, head_dim, M, -1);
