@@ -287,28 +287,6 @@ __device__ __forceinline__ float qc_norm_warp_sum(float v) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;
 }
-/* Chain t of the 256: x[t]^2 + x[t + 256]^2 + ... by fmaf in that order, x read through L2
- * (__ldcg: written by the kernel before). Its loads go out QC_NORM_CHAIN_LOADS at a time, before
- * the fmas that use them: a loop of a load, then its fma, waits one L2 round trip a value (GPUs
- * issue in order), and nvcc's `unroll 4` of such a loop left the remainder rolled, so at 896
- * values the chains of threads 128..255 (three values each) waited three round trips one
- * after another in qkv_attention's norm (its PTX at 42e03b5). 8: one batch up to 2048 values. */
-#define QC_NORM_CHAIN_LOADS 8
-__device__ __forceinline__ float qc_norm_chain_ss(const float *x, int dim, int t) {
-    float ss = 0.0f;
-    for (int base = t; base < dim; base += QC_NORM_CHAIN_LOADS * QC_NORM_ROW_THREADS) {
-        float v[QC_NORM_CHAIN_LOADS];
-#pragma unroll
-        for (int m = 0; m < QC_NORM_CHAIN_LOADS; m++) {
-            const int i = base + m * QC_NORM_ROW_THREADS;
-            v[m] = i < dim ? __ldcg(x + i) : 0.0f;
-        }
-#pragma unroll
-        for (int m = 0; m < QC_NORM_CHAIN_LOADS; m++)
-            if (base + m * QC_NORM_ROW_THREADS < dim) ss = fmaf(v[m], v[m], ss);
-    }
-    return ss;
-}
 /* 1 / rms: the scale of a row of n values (n converted by the caller) whose squares sum to ss. */
 __device__ __forceinline__ float qc_rms_scale(float ss, float n, float eps) {
     return 1.0f / sqrtf(ss / n + eps);

@@ -188,7 +188,12 @@ __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float 
     float scale = 1.0f;
     if (norm_w) {
         if (threadIdx.x < QC_NORM_ROW_THREADS) {
-            float ss = qc_norm_chain_ss(x, dim, threadIdx.x);
+            float ss = 0.0f;
+#pragma unroll 4
+            for (int i = threadIdx.x; i < dim; i += QC_NORM_ROW_THREADS) {
+                const float xi = __ldcg(x + i);
+                ss = fmaf(xi, xi, ss);
+            }
             ss = qc_norm_warp_sum(ss);
             if (lane == 0) norm_tmp[warp] = ss;
         }
