@@ -111,7 +111,14 @@ __device__ __forceinline__ void qc_att_keys(const float (&qr)[QC_ATT_MAXD], cons
  * measured and not kept there (three alternating rounds in one lease, against 8619ff6): a lane's
  * four dimensions contiguous (lane k holding 4k .. 4k + 3, not k, k + G, ...), so that a K or V
  * row came in one 8-byte load a lane instead of four of 2 bytes: 2159.8-2170.4 tok/s at 512 keys
- * against 2168.3-2179.0, 1828.6-1836.0 at 2560 against 1867.7-1871.1. */
+ * against 2168.3-2179.0, 1828.6-1836.0 at 2560 against 1867.7-1871.1. Nor is it the arithmetic's
+ * chain: a group's keys folded two at a time (373e9a9: both scores' dot products and shuffles
+ * side by side, one max and three exps for the pair, a key left over carried to the next loop so
+ * that every kernel still paired the same keys; the next two keys' rows loaded ahead) passed the
+ * attention's equality tests (826) and gave 2224.3-2228.5 tok/s at 512 keys against
+ * 2242.8-2245.7, 1913.9-1919.4 at 2560 against 1914.3-1917.5 (H200, real file, three alternating
+ * rounds in one lease; the timeline's qkv_attention share at 2560 keys 254.8 -> 252.8 us a step;
+ * report 20261202-2445fcd, addendum). */
 template <int G, typename KV>
 __device__ __forceinline__ void qc_att_keys_ahead(const float (&qr)[QC_ATT_MAXD], const KV *k, const KV *v,
                                                   int kv_dim, int head_dim, float scale, int first, int stride,

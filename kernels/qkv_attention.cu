@@ -165,7 +165,14 @@ __device__ __forceinline__ void qc_qa_prefetch_row(const uint8_t *row, int64_t b
  * it quantizes, all at once, and adds the eight warps' sums itself, so two block barriers order
  * it where a copy of x, its sums, one thread's total and the quantization took four. Measured
  * (H100, same lease, the stand-in above): x quantized 1.66 -> 1.44 us after the release, decode
- * 1896-1917 -> 1932-1940 tok/s at 512 keys, 1680-1688 -> 1699-1704 at 2560. */
+ * 1896-1917 -> 1932-1940 tok/s at 512 keys, 1680-1688 -> 1699-1704 at 2560.
+ * The sums' loop below is nvcc's `unroll 4` of a loop of a load and its fma, whose remainder stays
+ * rolled: at dim 896 threads 128..255 (three values each) wait three L2 round trips one after
+ * another (its SASS at c546881). Measured and not kept (6f9961a: each thread's values loaded in
+ * one batch of eight, then its fmas, the same bits): 2257.4, 2255.9, 2257.4 tok/s at 512 keys
+ * against 2252.4, 2250.5, 2240.9 in one lease, 2249.0, 2222.3, 2252.7 against 2262.9, 2256.0,
+ * 2256.5 in another (H200, real file; report 20261202-2445fcd, addendum): so those round trips
+ * are not what the launch waits for (read off these figures; not stamped). */
 /* The block of 32 of x that lane `lane` of warp `warp` (of W a block) quantizes (with the seven
  * lanes of its group of eight) in pass p, and the lane's four norm weights of block b (zeros past
  * nb blocks or without norm_w). */
