@@ -53,15 +53,18 @@ __global__ void barrier_kernel(int rounds, float *buf) {
     }
 }
 
-struct shape { int sh[2][2]; int read, mode; };
+struct shape { int sh[2][2]; int smem[2]; int read, mode; };   // smem: dynamic shared memory a block, bytes
 static int chain(const shape &S, int pdl, int n, float *a, float *b, const float *src, cudaStream_t s) {
     const int (&sh)[2][2] = S.sh;
+    const int most_smem = S.smem[0] > S.smem[1] ? S.smem[0] : S.smem[1];
+    CK(cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most_smem > 48 * 1024 ? most_smem : 48 * 1024));
     cudaGraph_t g; cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (int i = 0; i < n; i++) {
         cudaLaunchAttribute attr; attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
         cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3(sh[i & 1][0]); cfg.blockDim = dim3(sh[i & 1][1]); cfg.stream = s;
+        cfg.dynamicSmemBytes = S.smem[i & 1];
         cfg.attrs = &attr; cfg.numAttrs = pdl ? 1 : 0;
         CK(cudaLaunchKernelEx(&cfg, step_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, pdl, src, S.read, S.mode));
     }
@@ -76,6 +79,7 @@ static int chain(const shape &S, int pdl, int n, float *a, float *b, const float
     }
     printf("chain of %d kernels, %4d x %3d then %4d x %3d, %s", n, sh[0][0], sh[0][1], sh[1][0], sh[1][1],
            pdl ? "PDL      " : "plain    ");
+    if (S.smem[0] || S.smem[1]) printf(", %d then %d KB of shared memory a block", S.smem[0] / 1024, S.smem[1] / 1024);
     if (S.read) printf(", reading %d bytes a block (%s)", S.read, S.mode == READ_OWN ? "its own" : S.mode == READ_COPIES ? "one of 16 copies" : "the same");
     printf(": %.3f us a kernel (best of 5)\n", best * 1000.0f / n);
     cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
@@ -87,17 +91,31 @@ static int chain(const shape &S, int pdl, int n, float *a, float *b, const float
 // they differ, as the o projection's 28 blocks before the gate/up kernel's 152); none: the
 // engine's shapes below. A shape may end in "/R" and a letter: each block then reads R bytes (a
 // multiple of 16, at most READ_MAX) after its wait: s the same bytes as every other block, o its
-// own, c one of 16 copies ("224x256/3584s": qkv_attention's grid reading x as its blocks do).
+// own, c one of 16 copies ("224x256/3584s": qkv_attention's grid reading x as its blocks do). A
+// grid may end in "+K": K KB of dynamic shared memory a block, so that the two grids' blocks can or
+// cannot share an SM ("448x256+48:224x256+100": the second grid's blocks placed only as the
+// first's leave, as qkv_attention's after the down projection's).
 #define READ_MAX 8192
+static int parse_grid(const char *g, int (&sh)[2], int &smem) {
+    int kb = 0;
+    const int n = sscanf(g, "%dx%d+%d", &sh[0], &sh[1], &kb);
+    smem = kb * 1024;
+    return (n != 2 && n != 3) || sh[0] < 1 || sh[0] > 4096 || sh[1] < 32 || sh[1] > 1024 || kb < 0 || kb > 227;
+}
 static int parse(const char *arg, shape &S) {
-    char mode = 0, tail = 0;
+    char mode = 0, tail = 0, first[64] = {0}, second[64] = {0};
     S.read = 0;
     const char *slash = strchr(arg, '/');
     if (slash && (sscanf(slash + 1, "%d%c%c", &S.read, &mode, &tail) != 2 || !strchr("soc", mode))) return 1;
-    int n = sscanf(arg, "%dx%d:%dx%d", &S.sh[0][0], &S.sh[0][1], &S.sh[1][0], &S.sh[1][1]);
-    if (n == 2) S.sh[1][0] = S.sh[0][0], S.sh[1][1] = S.sh[0][1];
+    const size_t len = slash ? (size_t)(slash - arg) : strlen(arg);
+    const char *colon = (const char *)memchr(arg, ':', len);
+    const size_t l1 = colon ? (size_t)(colon - arg) : len;
+    if (l1 >= sizeof first || (colon && len - l1 - 1 >= sizeof second)) return 1;
+    memcpy(first, arg, l1);
+    if (colon) memcpy(second, colon + 1, len - l1 - 1);
+    if (parse_grid(first, S.sh[0], S.smem[0]) || parse_grid(colon ? second : first, S.sh[1], S.smem[1])) return 1;
     S.mode = mode == 'o' ? READ_OWN : mode == 'c' ? READ_COPIES : READ_SAME;
-    return (n != 2 && n != 4) || S.read < 0 || S.read % 16 || S.read > READ_MAX;
+    return S.read < 0 || S.read % 16 || S.read > READ_MAX;
 }
 
 int main(int argc, char **argv) {
@@ -110,7 +128,7 @@ int main(int argc, char **argv) {
     const int n_args = argc > 1 ? argc - 1 : 5;
     for (int i = 0; i < n_args; i++) {
         shape S;
-        if (parse(argc > 1 ? argv[i + 1] : engine[i], S) || S.sh[0][0] > 4096 || S.sh[1][0] > 4096) {
+        if (parse(argc > 1 ? argv[i + 1] : engine[i], S)) {
             printf("bad shape %s\n", argv[i + 1]);
             return 1;
         }
