@@ -423,12 +423,13 @@ static bool rows4_takes(qc_backend *be, const qc_weight *w, int n, int launch_ne
            !launch_next;
 }
 
-/* Whether a one-token GEMV of long rows (rb bytes each) takes qc_gemv_q8_split_rows_kernel: its
- * block's copy fits and its grid is one wave (the copies of a later wave would wait in line). */
+/* qc_gemv_q8_split_rows_kernel's grid for rows rows, and whether a one-token GEMV of long rows
+ * (rb bytes each) takes it: its block's copy fits and its grid is one wave (the copies of a later
+ * wave would wait in line). */
+static int64_t split_rows_blocks(int64_t rows) { return (rows + QC_SPLIT_ROWS - 1) / QC_SPLIT_ROWS; }
 static bool split_rows_takes(const qc_cuda *cu, int64_t rows, int64_t rb) {
     return cu->split_rows && cu->w_shared && qc_shared_copy_bytes(QC_SPLIT_ROWS * rb) <= QC_SHARED_COPY_MAX &&
-           (rows + QC_SPLIT_ROWS - 1) / QC_SPLIT_ROWS <=
-               (int64_t)(QC_GEMV_SHARED_BLOCKS_PER_SM / QC_SPLIT_ROWS) * cu->sm_count;
+           split_rows_blocks(rows) <= (int64_t)(QC_GEMV_SHARED_BLOCKS_PER_SM / QC_SPLIT_ROWS) * cu->sm_count;
 }
 
 /* draw: matmul_draw's (the four-row kernel's DRAW), or NULL. Returns whether the draw was launched. */
@@ -449,7 +450,7 @@ static bool launch_gemv_s(qc_backend *be, const qc_weight *w, const float *bias,
         const bool one_wave = grid.x <= (unsigned)(QC_GEMV_SHARED_BLOCKS_PER_SM * cu->sm_count);
         if constexpr (S > 1) {
             if (n == 1 && split_rows_takes(cu, w->rows, rb)) {
-                const dim3 grid_r((unsigned)((w->rows + QC_SPLIT_ROWS - 1) / QC_SPLIT_ROWS));
+                const dim3 grid_r((unsigned)split_rows_blocks(w->rows));
                 qc_launch(cu, qc_gemv_q8_split_rows_kernel<T, QC_SPLIT_ROWS>, grid_r, dim3(32 * QC_GEMV_WARPS * QC_SPLIT_ROWS),
                           qc_shared_copy_bytes(QC_SPLIT_ROWS * rb), W, rb, w->rows, w->cols, xq, bias, residual, out,
                           ahead, launch_next);

@@ -33,6 +33,8 @@ __global__ void step_kernel(const float *in, float *out, int pdl, const float *s
         __syncthreads();   // the block's loads all back, as a GEMV's x before its dot products
     }
     if (pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // (every reading thread's sum feeds a store it may make, so the compiler keeps its loads;
+    // src is all zeros, so only thread 0 stores)
     if (threadIdx.x == 0 || (read && v == 12345.0f)) out[blockIdx.x] = v + 1.0f;
 }
 
