@@ -154,17 +154,29 @@ qc_gemv_q8_split_rows_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, i
 
 /* matmul_add of one token that also leaves out's normalised 8-bit form for the next op
  * (norm_next, backend.h; qc_gemv_q8.cuh, "a norm's scale after the dot products"): 32 rows a
- * block, 4 a warp (qc_gemv_q8_row4: each row qc_gemv_q8_row_slice's operations, so out is
- * qc_gemv_kernel's bit for bit), then the block's 32 values of out times the norm weight
- * quantized as one block (qs, ds) and their sum of squares (ss). A 32-element 8-bit type
- * (Q4_0, Q5_0, Q8_0: row4's registers), rows a multiple of 32. */
+ * block, RW a warp (4: qc_gemv_q8_row4, 2: qc_gemv_q8_row2, 1: qc_gemv_q8_row_slice; each row
+ * qc_gemv_q8_row_slice's operations, so out is qc_gemv_kernel's bit for bit whatever RW), then
+ * the block's 32 values of out times the norm weight quantized as one block (qs, ds) and their
+ * sum of squares (ss). A 32-element 8-bit type (Q4_0, Q5_0, Q8_0: row4's registers), rows a
+ * multiple of 32.
+ * RW: the o projection's 28 blocks were 8 warps of four rows, each warp about 800 instructions
+ * (ncu, report 20261202-8d68ef1) at two warps a scheduler: a chain of dependent instructions
+ * that nothing else on the SM hides. Fewer rows a warp, more warps a block: the same work in
+ * shorter chains side by side (cu->add_norm_rw, QWENCUDA_ADD_NORM_WARP_ROWS at creation; 4 unless
+ * it says 1 or 2). Measured (H200, real file, three alternating rounds in one lease, 2026-12-02):
+ * 4 rows 2247.2, 2261.5, 2245.1 tok/s at 512 keys and 1912.4, 1919.7, 1922.0 at 2560; 2 rows
+ * 2274.8, 2260.5, 2265.0 and 1917.7, 1917.2, 1926.9; 1 row (1024 threads, 32 registers)
+ * 2211.6, 2224.7, 2219.1 and 1896.0, 1904.5, 1904.9. test_kernels -k matmul_add passed (468)
+ * for each. Two rows look +0.6% at 512 keys and even at 2560, within two rounds' spread: the
+ * default stays 4 until a report's bench confirms it. */
 #define QC_ADD_NORM_ROWS 32
-#define QC_ADD_NORM_THREADS (32 * QC_ADD_NORM_ROWS / 4)
-template <int T, bool SH>
-__global__ void __launch_bounds__(QC_ADD_NORM_THREADS)
+static constexpr int qc_add_norm_threads(int rw) { return 32 * QC_ADD_NORM_ROWS / rw; }
+template <int T, bool SH, int RW>
+__global__ void __launch_bounds__(qc_add_norm_threads(RW))
 qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t cols, const qc_q8x xq,
                            const float *residual, float *out, const float *__restrict__ norm_w, int8_t *qs,
                            float2 *ds, float *ss, const qc_l2_ahead ahead) {
+    static_assert(RW == 1 || RW == 2 || RW == 4, "one, two or four rows a warp");
     __shared__ float out_s[QC_ADD_NORM_ROWS];
     extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -172,19 +184,31 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
     const uint8_t *rows = W + r0 * row_bytes;
     if constexpr (SH) rows = qc_copy_to_shared(w_shared, rows, QC_ADD_NORM_ROWS * row_bytes);
     else qc_prefetch_l2(rows, QC_ADD_NORM_ROWS * row_bytes);
-    const float w = __ldg(norm_w + r0 + lane);   /* a weight: before the wait */
+    const float w = warp == 0 ? __ldg(norm_w + r0 + lane) : 0.0f;   /* a weight: before the wait */
     qc_l2_ahead_issue(ahead);
     qc_grid_start();
     if constexpr (SH) qc_copy_wait();
-    const int64_t i = 4 * warp;   /* this warp's rows r0 + i .. r0 + i + 3 */
-    const float res = residual[r0 + i + (lane & 3)];   /* lanes 0..3 keep theirs (epilogue) */
-    const uint8_t *const four[4] = {rows + i * row_bytes, rows + (i + 1) * row_bytes, rows + (i + 2) * row_bytes,
-                                    rows + (i + 3) * row_bytes};
-    float acc[4];
-    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);
-    if (lane < 4) {
+    const int64_t i = RW * warp;   /* this warp's rows r0 + i .. r0 + i + RW - 1 */
+    const float res = residual[r0 + i + (lane % RW)];   /* lanes 0 .. RW - 1 keep theirs (epilogue) */
+    float acc[RW];
+    if constexpr (RW == 4) {
+        const uint8_t *const four[4] = {rows + i * row_bytes, rows + (i + 1) * row_bytes, rows + (i + 2) * row_bytes,
+                                        rows + (i + 3) * row_bytes};
+        qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);
+    } else if constexpr (RW == 2) {
+        float a[1], b[1];
+        qc_gemv_q8_row2<T, 1, SH>(rows + i * row_bytes, rows + (i + 1) * row_bytes, cols, xq, 1, 0, lane, a, b);
+        acc[0] = a[0];
+        acc[1] = b[0];
+    } else {
+        qc_gemv_q8_row_slice<T, 1, SH>(rows + i * row_bytes, cols, xq, 1, 0, lane, 32, acc);
+    }
+    if (lane < RW) {
         /* residual + v: the add op's operands, as qc_gemv_kernel */
-        const float v = res + (lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3]);
+        float v = acc[0];
+#pragma unroll
+        for (int k = 1; k < RW; k++) v = lane == k ? acc[k] : v;
+        v += res;
         out[r0 + i + lane] = v;
         out_s[i + lane] = v;
     }
@@ -567,20 +591,34 @@ static int add_norm_takes(const qc_weight *w, int n, const float *residual, cons
            qc_shared_copy_bytes(QC_ADD_NORM_ROWS * qc_row_bytes(t, w->cols)) <= QC_SHARED_COPY_MAX;
 }
 
+template <int T, int RW>
+static void launch_add_norm_rw(const dim3 &grid, size_t shared, const uint8_t *W, int64_t rb, const qc_weight *w,
+                               const qc_q8x &xq, const float *residual, float *out, const float *norm_w, int8_t *qs,
+                               float2 *ds, const qc_l2_ahead &ahead, const qc_cuda *cu) {
+    const dim3 block(qc_add_norm_threads(RW));
+    if (shared)
+        qc_launch(cu, qc_gemv_q8_add_norm_kernel<T, true, RW>, grid, block, shared, W, rb, w->cols, xq, residual, out,
+                  norm_w, qs, ds, cu->norm_ss, ahead);
+    else
+        qc_launch(cu, qc_gemv_q8_add_norm_kernel<T, false, RW>, grid, block, 0, W, rb, w->cols, xq, residual, out,
+                  norm_w, qs, ds, cu->norm_ss, ahead);
+}
+
 static void launch_add_norm(const qc_weight *w, const qc_q8x &xq, const float *residual, float *out,
                             const float *norm_w, const qc_l2_ahead &ahead, const qc_cuda *cu) {
     const int64_t rb = qc_row_bytes(w->type, w->cols);
-    const dim3 grid((unsigned)(w->rows / QC_ADD_NORM_ROWS)), block(QC_ADD_NORM_THREADS);
+    const dim3 grid((unsigned)(w->rows / QC_ADD_NORM_ROWS));
     int8_t *qs = (int8_t *)cu->q8x_norm;
     float2 *ds = qc_q8x_ds_at(cu->q8x_norm, 1, w->rows);
     const uint8_t *W = (const uint8_t *)w->data;
     const size_t shared = cu->w_shared ? qc_shared_copy_bytes(QC_ADD_NORM_ROWS * rb) : 0;
-#define QC_ARGS_ W, rb, w->cols, xq, residual, out, norm_w, qs, ds, cu->norm_ss, ahead
+#define QC_ARGS_ grid, shared, W, rb, w, xq, residual, out, norm_w, qs, ds, ahead, cu
     switch (w->type) {
 #define QC_CASE_(T)                                                                                          \
     case T:                                                                                                  \
-        if (shared) qc_launch(cu, qc_gemv_q8_add_norm_kernel<T, true>, grid, block, shared, QC_ARGS_);       \
-        else qc_launch(cu, qc_gemv_q8_add_norm_kernel<T, false>, grid, block, 0, QC_ARGS_);                  \
+        if (cu->add_norm_rw == 1) launch_add_norm_rw<T, 1>(QC_ARGS_);                                        \
+        else if (cu->add_norm_rw == 2) launch_add_norm_rw<T, 2>(QC_ARGS_);                                   \
+        else launch_add_norm_rw<T, 4>(QC_ARGS_);                                                             \
         break;
         QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
 #undef QC_CASE_

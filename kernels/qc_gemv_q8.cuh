@@ -350,8 +350,9 @@ __device__ __forceinline__ void qc_gemv_q8_row_slice(const uint8_t *__restrict__
 }
 
 /* Two rows of one type against the same x (matmul_swiglu's gate and up): one loop, both rows'
- * loads in flight; each accumulator gets exactly qc_gemv_q8_row_slice's operations. */
-template <int T, int NT>
+ * loads in flight; each accumulator gets exactly qc_gemv_q8_row_slice's operations. SH: the rows
+ * are a shared-memory copy (qc_ldw). */
+template <int T, int NT, bool SH = false>
 __device__ __forceinline__ void qc_gemv_q8_row2(const uint8_t *__restrict__ row_a, const uint8_t *__restrict__ row_b,
                                                 int64_t cols, const qc_q8x &x, int n, int t0, int lane,
                                                 float (&acc_a)[NT], float (&acc_b)[NT]) {
@@ -359,8 +360,8 @@ __device__ __forceinline__ void qc_gemv_q8_row2(const uint8_t *__restrict__ row_
 #pragma unroll
     for (int j = 0; j < NT; j++) acc_a[j] = acc_b[j] = 0.0f;
     for (int64_t u = lane; u < units; u += 32) {
-        qc_q8_unit<T>::template run<NT>(row_a, u, x, n, t0, acc_a);
-        qc_q8_unit<T>::template run<NT>(row_b, u, x, n, t0, acc_b);
+        qc_q8_unit<T>::template run<NT, SH>(row_a, u, x, n, t0, acc_a);
+        qc_q8_unit<T>::template run<NT, SH>(row_b, u, x, n, t0, acc_b);
     }
     qc_warp_sum2(acc_a, acc_b);
 }
