@@ -493,7 +493,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->head_draw = env_on("QWENCUDA_HEAD_DRAW");
         cu->copy_kernel = env_on("QWENCUDA_COPY_KERNEL");
         const char *rw = getenv("QWENCUDA_ADD_NORM_WARP_ROWS");
-        cu->add_norm_rw = rw && (strcmp(rw, "1") == 0 || strcmp(rw, "2") == 0) ? atoi(rw) : 4;
+        cu->add_norm_rw = rw && strcmp(rw, "2") == 0 ? 2 : 4;
     }
     qc_cuda_qkv_attention_init(be);
     if (qc_cuda_flash_attention_init(be) < 0) {

@@ -154,20 +154,20 @@ qc_gemv_q8_split_rows_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, i
 
 /* matmul_add of one token that also leaves out's normalised 8-bit form for the next op
  * (norm_next, backend.h; qc_gemv_q8.cuh, "a norm's scale after the dot products"): 32 rows a
- * block, RW a warp (4: qc_gemv_q8_row4, 2: qc_gemv_q8_row2, 1: qc_gemv_q8_row_slice; each row
- * qc_gemv_q8_row_slice's operations, so out is qc_gemv_kernel's bit for bit whatever RW), then
+ * block, RW a warp (4: qc_gemv_q8_row4, 2: qc_gemv_q8_row2; each row qc_gemv_q8_row_slice's
+ * operations, so out is qc_gemv_kernel's bit for bit whatever RW), then
  * the block's 32 values of out times the norm weight quantized as one block (qs, ds) and their
  * sum of squares (ss). A 32-element 8-bit type (Q4_0, Q5_0, Q8_0: row4's registers), rows a
  * multiple of 32.
  * RW: the o projection's 28 blocks were 8 warps of four rows, each warp about 800 instructions
  * (ncu, report 20261202-8d68ef1) at two warps a scheduler: a chain of dependent instructions
  * that nothing else on the SM hides. Fewer rows a warp, more warps a block: the same work in
- * shorter chains side by side (cu->add_norm_rw, QWENCUDA_ADD_NORM_WARP_ROWS at creation; 4 unless
- * it says 1 or 2). Measured (H200, real file, three alternating rounds in one lease, 2026-12-02):
+ * shorter chains side by side (cu->add_norm_rw, QWENCUDA_ADD_NORM_WARP_ROWS=2 at creation; else
+ * 4). Measured (H200, real file, three alternating rounds in one lease, 2026-12-02):
  * 4 rows 2247.2, 2261.5, 2245.1 tok/s at 512 keys and 1912.4, 1919.7, 1922.0 at 2560; 2 rows
  * 2274.8, 2260.5, 2265.0 and 1917.7, 1917.2, 1926.9; 1 row (1024 threads, 32 registers)
- * 2211.6, 2224.7, 2219.1 and 1896.0, 1904.5, 1904.9. test_kernels -k matmul_add passed (468)
- * for each. Two rows look +0.6% at 512 keys and even at 2560, within two rounds' spread: the
+ * 2211.6, 2224.7, 2219.1 and 1896.0, 1904.5, 1904.9 (slower, not kept: qc_gemv_q8_row_slice a
+ * warp). test_kernels -k matmul_add passed (468) for each. Two rows look +0.6% at 512 keys and even at 2560, within two rounds' spread: the
  * default stays 4 until a report's bench confirms it. */
 #define QC_ADD_NORM_ROWS 32
 static constexpr int qc_add_norm_threads(int rw) { return 32 * QC_ADD_NORM_ROWS / rw; }
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(qc_add_norm_threads(RW))
 qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int64_t cols, const qc_q8x xq,
                            const float *residual, float *out, const float *__restrict__ norm_w, int8_t *qs,
                            float2 *ds, float *ss, const qc_l2_ahead ahead) {
-    static_assert(RW == 1 || RW == 2 || RW == 4, "one, two or four rows a warp");
+    static_assert(RW == 2 || RW == 4, "two or four rows a warp");
     __shared__ float out_s[QC_ADD_NORM_ROWS];
     extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -195,13 +195,11 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
         const uint8_t *const four[4] = {rows + i * row_bytes, rows + (i + 1) * row_bytes, rows + (i + 2) * row_bytes,
                                         rows + (i + 3) * row_bytes};
         qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);
-    } else if constexpr (RW == 2) {
+    } else {
         float a[1], b[1];
         qc_gemv_q8_row2<T, 1, SH>(rows + i * row_bytes, rows + (i + 1) * row_bytes, cols, xq, 1, 0, lane, a, b);
         acc[0] = a[0];
         acc[1] = b[0];
-    } else {
-        qc_gemv_q8_row_slice<T, 1, SH>(rows + i * row_bytes, cols, xq, 1, 0, lane, 32, acc);
     }
     if (lane < RW) {
         /* residual + v: the add op's operands, as qc_gemv_kernel */
@@ -616,8 +614,7 @@ static void launch_add_norm(const qc_weight *w, const qc_q8x &xq, const float *r
     switch (w->type) {
 #define QC_CASE_(T)                                                                                          \
     case T:                                                                                                  \
-        if (cu->add_norm_rw == 1) launch_add_norm_rw<T, 1>(QC_ARGS_);                                        \
-        else if (cu->add_norm_rw == 2) launch_add_norm_rw<T, 2>(QC_ARGS_);                                   \
+        if (cu->add_norm_rw == 2) launch_add_norm_rw<T, 2>(QC_ARGS_);                                        \
         else launch_add_norm_rw<T, 4>(QC_ARGS_);                                                             \
         break;
         QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)

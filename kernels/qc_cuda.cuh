@@ -124,8 +124,8 @@ typedef struct qc_cuda {
      * QWENCUDA_SPLIT_ROWS is not "0" at creation (to compare) */
     int split_rows;
     /* rows a warp of the 32-row matmul_add that leaves the next norm's 8-bit input (matmul.cu,
-     * qc_gemv_q8_add_norm_kernel: the o projection): 1, 2 or 4, QWENCUDA_ADD_NORM_WARP_ROWS at
-     * creation */
+     * qc_gemv_q8_add_norm_kernel: the o projection): 2 where QWENCUDA_ADD_NORM_WARP_ROWS=2 at
+     * creation, else 4 */
     int add_norm_rw;
     /* RoPE's (cos, sin) of pairs 0 .. head_dim / 2 - 1 at the position in rope_of_pos (device
      * memory), theta rope_of_theta, as that launch left them in rope_cs (QC_ROPE_CS_MAX, made at
