@@ -13,6 +13,7 @@
 #include "qc_cuda_api.h"
 #include "qc_dequant.cuh"
 #include "qc_gemv_q8.cuh"
+#include "sampler.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -275,10 +276,31 @@ static int cu_download_start(qc_backend *be, const void *src, size_t bytes, int 
 
 static int cu_download_finish(qc_backend *be, int ticket, void *host_dst, size_t bytes) {
     qc_cuda *cu = qc_cuda_of(be);
+    if (ticket >= QC_DOWNLOAD_TICKETS && ticket < QC_DOWNLOAD_TICKETS + 2 && cu->draw_to_host &&
+        bytes <= sizeof(qc_sample_result)) {   /* draw_ticket's */
+        const int slot = ticket - QC_DOWNLOAD_TICKETS;
+        if (use_device(be) < 0 || QC_CUDA(be, cudaEventSynchronize(cu->draw_copied[slot])) < 0) return -1;
+        memcpy(host_dst, (const qc_sample_result *)cu->draw_host + slot, bytes);
+        return 0;
+    }
     if (ticket < 0 || ticket >= QC_DOWNLOAD_TICKETS || cu->ahead_host == NULL || bytes > QC_DOWNLOAD_AHEAD_BYTES)
         return qc_cuda_value_error(be, "download_finish: no copy of %zu bytes has ticket %d", bytes, ticket);
     if (use_device(be) < 0 || QC_CUDA(be, cudaEventSynchronize(cu->ahead_copied[ticket])) < 0) return -1;
     memcpy(host_dst, cu->ahead_host + ticket * QC_DOWNLOAD_AHEAD_BYTES, bytes);
+    return 0;
+}
+
+/* draw_ticket (backend.h): the draw is in its slot once the replay's finish kernel completes
+ * (matmul.cu, qc_head_draw_finish_kernel): the slot's event only. Tickets QC_DOWNLOAD_TICKETS
+ * and QC_DOWNLOAD_TICKETS + 1 name the two slots. Why: the copy kernel was a launch of its own
+ * between two steps (report 20261202-2445fcd's loop: qc_to_host_kernel started 2.2 us after the
+ * finish kernel ended and ran 1.2 us, and the next step's first kernel 1.6 us after it). */
+static int cu_draw_ticket(qc_backend *be, const void *result, size_t bytes, int pos, int *ticket) {
+    qc_cuda *cu = qc_cuda_of(be);
+    if (!cu->draw_to_host || bytes != sizeof(qc_sample_result)) return cu_download_start(be, result, bytes, ticket);
+    *ticket = -1;
+    if (use_device(be) < 0 || QC_CUDA(be, cudaEventRecord(cu->draw_copied[pos & 1], cu->stream)) < 0) return -1;
+    *ticket = QC_DOWNLOAD_TICKETS + (pos & 1);
     return 0;
 }
 
@@ -317,6 +339,11 @@ static void cu_destroy(qc_backend *be) {
             if (cu->sample_part) cudaFree(cu->sample_part);
             if (cu->sample_done) cudaFree(cu->sample_done);
             if (cu->draw_best) cudaFree(cu->draw_best);
+            if (cu->draw_host) {
+                for (int i = 0; i < 2; i++)
+                    if (cu->draw_copied[i]) cudaEventDestroy(cu->draw_copied[i]);
+                cudaFreeHost(cu->draw_host);
+            }
             if (cu->ahead_host) {
                 for (int i = 0; i < QC_DOWNLOAD_TICKETS; i++) cudaEventDestroy(cu->ahead_copied[i]);
                 cudaFreeHost(cu->ahead_host);
@@ -376,6 +403,7 @@ static qc_backend_ops make_cuda_ops(void) {
                                     const void *, void *, int32_t *, int32_t *)>::run<qc_cuda_matmul_draw>;
     ops.download_start = cu_download_start;
     ops.download_finish = cu_download_finish;
+    ops.draw_ticket = cu_draw_ticket;
     ops.decode_step_takes = cu_decode_step_takes;
     ops.decode_step = on_device<int(qc_backend *, const qc_decode_plan *)>::run<qc_cuda_decode_step>;
     ops.read_ahead = cu_read_ahead;
@@ -445,6 +473,11 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMemsetAsync(cu->sample_done, 0, sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->draw_best, sizeof(unsigned long long)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->draw_best, 0, sizeof(unsigned long long), cu->stream));
+    /* draw_ticket's two slots (qc_cuda.cuh), made here so that no recording makes them */
+    QC_CREATE_CHECK(cudaHostAlloc(&cu->draw_host, 2 * sizeof(qc_sample_result), cudaHostAllocMapped));
+    QC_CREATE_CHECK(cudaHostGetDevicePointer(&cu->draw_host_dev, cu->draw_host, 0));
+    QC_CREATE_CHECK(cudaEventCreateWithFlags(&cu->draw_copied[0], cudaEventDisableTiming));
+    QC_CREATE_CHECK(cudaEventCreateWithFlags(&cu->draw_copied[1], cudaEventDisableTiming));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
     static_assert(QC_GEMV_MAX_TOKENS >= 3, "q8x holds three one-token regions");
     cu->q8x_act = (char *)cu->q8x + qc_q8x_bytes(1, QC_Q8X_MAX_COLS);
@@ -481,7 +514,8 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
          * QWENCUDA_CLUSTERS=0, QWENCUDA_WEIGHTS_SHARED=0, QWENCUDA_ATTENTION_HOLD=0,
          * QWENCUDA_READ_AHEAD=0, QWENCUDA_QKV_ATTENTION=0, QWENCUDA_GEMV_ROWS4=0 and
          * QWENCUDA_HEAD_DRAW=0 turn them off; QWENCUDA_COPY_KERNEL=0 copies download_start's
-         * bytes with cudaMemcpyAsync instead of a kernel */
+         * bytes with cudaMemcpyAsync instead of a kernel, QWENCUDA_DRAW_TO_HOST=0 the draw of a
+         * fed step by download_start's copy (draw_ticket) */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
         cu->w_shared = sm90 && env_on("QWENCUDA_WEIGHTS_SHARED");
@@ -492,8 +526,9 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->split_rows = env_on("QWENCUDA_SPLIT_ROWS");
         cu->head_draw = env_on("QWENCUDA_HEAD_DRAW");
         cu->copy_kernel = env_on("QWENCUDA_COPY_KERNEL");
+        cu->draw_to_host = env_on("QWENCUDA_DRAW_TO_HOST");
         const char *rw = getenv("QWENCUDA_ADD_NORM_WARP_ROWS");
-        cu->add_norm_rw = rw && strcmp(rw, "2") == 0 ? 2 : 4;
+        cu->add_norm_rw = rw && strcmp(rw, "4") == 0 ? 4 : 2;
     }
     qc_cuda_qkv_attention_init(be);
     if (qc_cuda_flash_attention_init(be) < 0) {

@@ -162,13 +162,15 @@ qc_gemv_q8_split_rows_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, i
  * RW: the o projection's 28 blocks were 8 warps of four rows, each warp about 800 instructions
  * (ncu, report 20261202-8d68ef1) at two warps a scheduler: a chain of dependent instructions
  * that nothing else on the SM hides. Fewer rows a warp, more warps a block: the same work in
- * shorter chains side by side (cu->add_norm_rw, QWENCUDA_ADD_NORM_WARP_ROWS=2 at creation; else
- * 4). Measured (H200, real file, three alternating rounds in one lease, 2026-12-02):
+ * shorter chains side by side (cu->add_norm_rw: 2, or 4 where QWENCUDA_ADD_NORM_WARP_ROWS=4 at
+ * creation). Measured (H200, real file, three alternating rounds in one lease, 2026-12-02):
  * 4 rows 2247.2, 2261.5, 2245.1 tok/s at 512 keys and 1912.4, 1919.7, 1922.0 at 2560; 2 rows
  * 2274.8, 2260.5, 2265.0 and 1917.7, 1917.2, 1926.9; 1 row (1024 threads, 32 registers)
  * 2211.6, 2224.7, 2219.1 and 1896.0, 1904.5, 1904.9 (slower, not kept: qc_gemv_q8_row_slice a
- * warp). test_kernels -k matmul_add passed (468) for each. Two rows look +0.6% at 512 keys and even at 2560, within two rounds' spread: the
- * default stays 4 until a report's bench confirms it. */
+ * warp). test_kernels -k matmul_add passed (468) for each. A second lease (report
+ * 20261202-46bd1f5, addendum; three alternating rounds against 4 rows): 2 rows 2272.5, 2269.9,
+ * 2270.5 tok/s at 512 keys and 1936.7, 1941.3, 1938.0 at 2560, against 2248.4, 2254.7, 2252.0
+ * and 1921.8, 1926.4, 1928.1: +0.9%, outside the spread, so two rows are the default. */
 #define QC_ADD_NORM_ROWS 32
 static constexpr int qc_add_norm_threads(int rw) { return 32 * QC_ADD_NORM_ROWS / rw; }
 template <int T, bool SH, int RW>
@@ -251,7 +253,9 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * they write (DRAW). A block's best (value, first id) becomes one 64-bit key (qc_draw_key), and
  * one atomicMax of it into `best`, whose result no thread waits for; qc_head_draw_finish_kernel,
  * one warp launched after the grid, takes the winner, writes the draw, feeds the next step as
- * feed_draw would (ids, pos) and puts `best` back to 0 for the next launch.
+ * feed_draw would (ids, pos), then (feeding, cu->draw_to_host) the draw into the step's slot of
+ * mapped host memory, where draw_ticket waits for it, and puts `best` back to 0 for the next
+ * launch.
  * Why: after the lm_head, the sample kernel's pass over the logits and feed_draw's launch held the
  * next step back 15 us of a 480 us step (H200, real file, loop profile of report 3112744:
  * qc_sample_kernel started 15.5 us before the next step's first kernel, feed_draw 10.8).
@@ -271,6 +275,7 @@ struct qc_head_draw {
     const qc_sample_state *state;      /* its RNG goes into the result (a greedy draw draws none) */
     qc_sample_result *result;
     int32_t *ids, *pos;                /* the next step's token and position, or NULL: no feed */
+    qc_sample_result *host;            /* with ids: the result also into host[pos % 2] (draw_ticket), or NULL */
 };
 
 /* (value, id) -> a key whose unsigned order is qc_sample_better's (sample.cu): the larger value,
@@ -315,8 +320,15 @@ __global__ void qc_head_draw_finish_kernel(const qc_head_draw d) {
     d.result->rng = d.state->rng;
     d.result->pad = 0;
     if (d.ids) {   /* feed_draw's stores (sample.cu); the drawn id is a row, below n_vocab */
+        const int32_t pos = d.pos[0];
         d.ids[0] = token >= 0 ? token : 0;
-        d.pos[0] += 1;
+        d.pos[0] = pos + 1;
+        if (d.host) {   /* the step's slot in mapped host memory: visible once the launch completes */
+            qc_sample_result *h = d.host + (pos & 1);
+            h->token = token;
+            h->rng = d.state->rng;
+            h->pad = 0;
+        }
     }
 }
 
@@ -713,7 +725,8 @@ int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, cons
     qc_cuda *cu = qc_cuda_of(be);
     if (!cu->head_draw || !rows4_takes(be, w, 1, 0) || w->rows > INT32_MAX || (norm_w && w->cols > QC_NORM_FUSE_MAX_COLS))
         return 0;
-    const qc_head_draw draw = {cu->draw_best, (const qc_sample_state *)state, (qc_sample_result *)result, ids, pos};
+    const qc_head_draw draw = {cu->draw_best, (const qc_sample_state *)state, (qc_sample_result *)result, ids, pos,
+                               ids && cu->draw_to_host ? (qc_sample_result *)cu->draw_host_dev : NULL};
     /* the output norm: x normalised and quantized in one launch (qc_norm_quantize_q8_kernel:
      * rmsnorm's numbers, then qc_quantize_q8_kernel's), where it took the rmsnorm and the
      * quantize kernels */

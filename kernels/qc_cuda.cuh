@@ -124,8 +124,8 @@ typedef struct qc_cuda {
      * QWENCUDA_SPLIT_ROWS is not "0" at creation (to compare) */
     int split_rows;
     /* rows a warp of the 32-row matmul_add that leaves the next norm's 8-bit input (matmul.cu,
-     * qc_gemv_q8_add_norm_kernel: the o projection): 2 where QWENCUDA_ADD_NORM_WARP_ROWS=2 at
-     * creation, else 4 */
+     * qc_gemv_q8_add_norm_kernel: the o projection): 4 where QWENCUDA_ADD_NORM_WARP_ROWS=4 at
+     * creation (to compare), else 2 */
     int add_norm_rw;
     /* RoPE's (cos, sin) of pairs 0 .. head_dim / 2 - 1 at the position in rope_of_pos (device
      * memory), theta rope_of_theta, as that launch left them in rope_cs (QC_ROPE_CS_MAX, made at
@@ -154,6 +154,14 @@ typedef struct qc_cuda {
      * cudaMemcpyAsync: QWENCUDA_COPY_KERNEL is not "0" at creation (to compare) */
     int copy_kernel;
     unsigned next_ticket;
+    /* draw_ticket's (backend.h): matmul_draw's finish kernel, where it feeds the next step, also
+     * stores its qc_sample_result into draw_host_dev[pos % 2] (pinned host memory mapped for the
+     * device, made at creation), pos the step's position, and draw_ticket records the slot's
+     * event after the replay: the draw reaches the host with no copy kernel between two steps.
+     * QWENCUDA_DRAW_TO_HOST=0 at creation leaves it to download_start's copy (to compare). */
+    int draw_to_host;
+    void *draw_host, *draw_host_dev;
+    cudaEvent_t draw_copied[2];
 } qc_cuda;
 #define QC_DEC_SYNC_BARRIER 2
 #define QC_DEC_SYNC_WORDS (QC_DEC_SYNC_BARRIER + 65536 / 32)

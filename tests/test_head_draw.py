@@ -151,9 +151,10 @@ def big_vocab_model(tmp_path_factory):
                                   config=BIG_VOCAB, weight_type="q8_0", seed=4)
 
 
-def _loop(path, monkeypatch, env, sampler, steps=24):
+def _loop(path, monkeypatch, env, sampler, steps=24, probes=None):
     """A prefill and a generation loop (each step the token drawn before) in a model whose backend
-    was made under env; the tokens, positions and the last steps' paths."""
+    was made under env; the tokens, positions and the last steps' paths: whether the drawing
+    kernel and the sample kernel ran in them, or (probes: name -> kernel) each probe's kernel."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with qc.Model(path, device="cuda") as m:
@@ -173,6 +174,8 @@ def _loop(path, monkeypatch, env, sampler, steps=24):
                     token = s.step(token, logits=None, sampler=samp).token
                     out.append((token, s.position, s.ran_ahead))
 
+            if probes is not None:
+                return out, {name: cuda_kernel_ran(more, kernel) for name, kernel in probes.items()}
             drew = cuda_kernel_ran(more, DRAW_KERNEL)
             sampled = cuda_kernel_ran(more, "qc_sample_kernel")
         return out, drew, sampled
@@ -225,3 +228,20 @@ def test_loop_draws_in_the_lm_head(sampler, big_vocab_model, monkeypatch):
     greedy = sampler["temperature"] == 0.0
     assert plain_drew in (None, False) and plain_sampled in (None, True)
     assert drew in (None, greedy) and sampled in (None, not greedy)
+
+
+def test_loop_draw_reaches_the_host_from_the_lm_head(big_vocab_model, monkeypatch):
+    """A fed greedy step's draw reaches the host from the lm_head's finish kernel, which also
+    stores it into the step's slot of mapped host memory (backend.h's draw_ticket), where
+    download_start copied it by a kernel of its own (qc_to_host_kernel, as with
+    QWENCUDA_DRAW_TO_HOST=0): the same tokens and positions both ways, both loops running ahead,
+    the drawing kernel in both and the copy kernel only in the one that copies."""
+    probes = {"drew": DRAW_KERNEL, "copied": "qc_to_host_kernel"}
+    greedy = dict(temperature=0.0)
+    plain, plain_ran = _loop(big_vocab_model, monkeypatch, {"QWENCUDA_DRAW_TO_HOST": "0"}, greedy, probes=probes)
+    got, ran = _loop(big_vocab_model, monkeypatch, {}, greedy, probes=probes)
+    assert [t[:2] for t in got] == [t[:2] for t in plain]
+    assert [t[1] for t in got] == list(range(6, 6 + len(got)))   # one position a step, none lost
+    assert all(t[2] for t in got[2:]) and all(t[2] for t in plain[2:])   # the loops ran ahead
+    assert ran["drew"] in (None, True) and plain_ran["drew"] in (None, True)
+    assert ran["copied"] in (None, False) and plain_ran["copied"] in (None, True)

@@ -164,6 +164,9 @@ struct qc_session {
     qc_attn_rows ar;
     void *decode_rec[2][QC_REC_KINDS];   /* the recorded decode step (backend replay), or NULL,
                                  per qc_kv_bucket of its keys and rec_kind */
+    unsigned char rec_draw_fed[2][QC_REC_KINDS];   /* its matmul_draw fed the next step: its draw
+                                 reaches the host by draw_ticket (backend.h) */
+    int head_draw_fed;        /* the last head_forward's matmul_draw ran and fed the next step */
     /* sampling on the backend (an eval with a sampler), allocated at the first such eval */
     void *sample_state;       /* (sample_state_cap) qc_sample_state and its token ids */
     size_t sample_state_cap;
@@ -720,6 +723,7 @@ static void drop_recording(qc_session *s) {
         for (int i = 0; i < QC_REC_KINDS; i++) {
             if (s->decode_rec[b][i]) s->be->ops->recording_free(s->be, s->decode_rec[b][i]);
             s->decode_rec[b][i] = NULL;
+            s->rec_draw_fed[b][i] = 0;
         }
     }
 }
@@ -1292,6 +1296,7 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
         OP(drawn = op->matmul_draw(be, &m->output, sc->x + (size_t)r0 * dim, m->output_norm, c->norm_eps, s->logits,
                                    s->sample_state, s->sample_result, p->feeds ? sc->ids : NULL,
                                    p->feeds ? sc->pos : NULL));
+    s->head_draw_fed = drawn && p->feeds;
 
     /* output RMSNorm: every row when all are needed, else the lm_head's (decode_step ran both) */
     const int first = want_norm ? 0 : r0;
@@ -1401,6 +1406,7 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
             return 0;
         }
         /* (a step of a pipelined loop ends by feeding its draw to the next: p->feeds) */
+        s->head_draw_fed = 0;
         const int ran = forward_chunk(s, p, 0, 1, err);
         if (op->record_end(be, &rec) < 0 || ran < 0) {
             /* not recordable on this backend after all: op by op from now on, unless the step
@@ -1410,9 +1416,20 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
             return 0;
         }
         *slot = rec;
+        s->rec_draw_fed[qc_kv_bucket(p->n_kv)][rec_kind(p)] = (unsigned char)s->head_draw_fed;
     }
     if (op->replay(be, *slot) < 0) return qc_fail(err, be->err.kind, "%s", be->err.msg);
     return 1;
+}
+
+/* The wait for the draw of the step just queued (at position pos), a replay of the recording
+ * decode_rec[bucket][kind]: draw_ticket where its matmul_draw fed the next step (the draw is in
+ * the backend's host memory already), else download_start's copy. */
+static int draw_download_start(qc_session *s, int bucket, int kind, int pos, int *ticket) {
+    qc_backend *be = s->be;
+    if (s->rec_draw_fed[bucket][kind] && be->ops->draw_ticket)
+        return be->ops->draw_ticket(be, s->sample_result, sizeof(qc_sample_result), pos, ticket);
+    return be->ops->download_start(be, s->sample_result, sizeof(qc_sample_result), ticket);
 }
 
 /* Whether this pipelined eval is the one the last pipelined eval expected (qc_ahead); both
@@ -1452,10 +1469,10 @@ static void ahead_expect(qc_session *s, const eval_plan *p, const qc_eval_reques
 static int ahead_queue(qc_session *s, const eval_plan *p) {
     qc_backend *be = s->be;
     qc_ahead *a = &s->ahead;
-    void *rec = s->decode_rec[qc_kv_bucket(p->n_kv + 1)][rec_kind(p)];
+    const int bucket = qc_kv_bucket(p->n_kv + 1);
+    void *rec = s->decode_rec[bucket][rec_kind(p)];
     if (p->start + 1 >= s->max_ctx || rec == NULL) return 0;
-    if (be->ops->replay(be, rec) < 0 ||
-        be->ops->download_start(be, s->sample_result, sizeof(qc_sample_result), &a->ticket) < 0)
+    if (be->ops->replay(be, rec) < 0 || draw_download_start(s, bucket, rec_kind(p), p->start + 1, &a->ticket) < 0)
         return -1;
     a->queued = 1;
     return 0;
@@ -1524,7 +1541,10 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
             return -1;
         }
         s->last_path = p->one_launch ? "persistent" : replayed ? "graph" : "ops";
-        if (pipelined && op->download_start(be, s->sample_result, sizeof res->drawn, &ticket) < 0) goto backend_fail;
+        if (pipelined &&
+            (replayed ? draw_download_start(s, qc_kv_bucket(p->n_kv), rec_kind(p), p->start, &ticket)
+                      : op->download_start(be, s->sample_result, sizeof res->drawn, &ticket)) < 0)
+            goto backend_fail;
         if (req->want_logits &&
             (op->download(be, res->logits, s->logits, (size_t)c->n_vocab * sizeof(float)) < 0 ||
              op->download(be, res->argmax, s->amax, sizeof(int32_t)) < 0))
