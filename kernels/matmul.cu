@@ -168,9 +168,10 @@ qc_gemv_q8_split_rows_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, i
  * 2274.8, 2260.5, 2265.0 and 1917.7, 1917.2, 1926.9; 1 row (1024 threads, 32 registers)
  * 2211.6, 2224.7, 2219.1 and 1896.0, 1904.5, 1904.9 (slower, not kept: qc_gemv_q8_row_slice a
  * warp). test_kernels -k matmul_add passed (468) for each. A second lease (report
- * 20261202-46bd1f5, addendum; three alternating rounds against 4 rows): 2 rows 2272.5, 2269.9,
- * 2270.5 tok/s at 512 keys and 1936.7, 1941.3, 1938.0 at 2560, against 2248.4, 2254.7, 2252.0
- * and 1921.8, 1926.4, 1928.1: +0.9%, outside the spread, so two rows are the default. */
+ * 20261202-791811a, addendum; three alternating rounds, one build, against 4 rows): 2 rows
+ * 2272.5, 2269.9, 2270.5 tok/s at 512 keys and 1936.7, 1941.3, 1938.0 at 2560, against 2248.4,
+ * 2254.7, 2252.0 and 1921.8, 1926.4, 1928.1: +0.9%, outside the spread, so two rows are the
+ * default. */
 #define QC_ADD_NORM_ROWS 32
 static constexpr int qc_add_norm_threads(int rw) { return 32 * QC_ADD_NORM_ROWS / rw; }
 template <int T, bool SH, int RW>

@@ -172,7 +172,13 @@ __device__ __forceinline__ void qc_qa_prefetch_row(const uint8_t *row, int64_t b
  * one batch of eight, then its fmas, the same bits): 2257.4, 2255.9, 2257.4 tok/s at 512 keys
  * against 2252.4, 2250.5, 2240.9 in one lease, 2249.0, 2222.3, 2252.7 against 2262.9, 2256.0,
  * 2256.5 in another (H200, real file; report 20261202-2445fcd, addendum): so those round trips
- * are not what the launch waits for (read off these figures; not stamped). */
+ * are not what the launch waits for (read off these figures; not stamped).
+ * Measured and not kept (H200, real file, report 20261202-791811a, addendum): the norm's scale
+ * after the dot products (x * w quantized while the sums run, one block barrier instead of two,
+ * the scale multiplying the q, k, v sums; matmul_multi.cu's path changed alike, so the two ops
+ * kept this launch's bits): 2239.8, 2233.7, 2236.4 tok/s at 512 keys and 1912.7, 1909.1, 1908.4
+ * at 2560 against 2232.4, 2239.1, 2242.4 and 1909.1, 1912.1, 1905.7 without it, even: the
+ * quantization's wait for the sums is not what the launch waits for either. */
 /* The block of 32 of x that lane `lane` of warp `warp` (of W a block) quantizes (with the seven
  * lanes of its group of eight) in pass p, and the lane's four norm weights of block b (zeros past
  * nb blocks or without norm_w). */
