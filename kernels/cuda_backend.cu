@@ -98,6 +98,9 @@ static int cu_alloc(qc_backend *be, size_t bytes, void **out) {
 
 static void cu_free(qc_backend *be, void *ptr) {
     if (ptr == NULL) return;
+    qc_cuda *cu = qc_cuda_of(be);
+    for (int i = 0; i < QC_DRAW_PAIRS; i++)   /* a session's result buffer: its draw slots are free again */
+        if (cu->draw_slot_of[i] == ptr) cu->draw_slot_of[i] = NULL;
     if (use_device(be) < 0) return;
     /* cudaFree waits for the device: no queued kernel can still be using ptr */
     if (cudaFree(ptr) != cudaSuccess) cudaGetLastError();
@@ -276,7 +279,7 @@ static int cu_download_start(qc_backend *be, const void *src, size_t bytes, int 
 
 static int cu_download_finish(qc_backend *be, int ticket, void *host_dst, size_t bytes) {
     qc_cuda *cu = qc_cuda_of(be);
-    if (ticket >= QC_DOWNLOAD_TICKETS && ticket < QC_DOWNLOAD_TICKETS + 2 && cu->draw_to_host &&
+    if (ticket >= QC_DOWNLOAD_TICKETS && ticket < QC_DOWNLOAD_TICKETS + 2 * QC_DRAW_PAIRS && cu->draw_to_host &&
         bytes <= sizeof(qc_sample_result)) {   /* draw_ticket's */
         const int slot = ticket - QC_DOWNLOAD_TICKETS;
         if (use_device(be) < 0 || QC_CUDA(be, cudaEventSynchronize(cu->draw_copied[slot])) < 0) return -1;
@@ -290,17 +293,30 @@ static int cu_download_finish(qc_backend *be, int ticket, void *host_dst, size_t
     return 0;
 }
 
+int qc_cuda_draw_pair(qc_cuda *cu, const void *result, int assign) {
+    int free_pair = -1;
+    for (int i = 0; i < QC_DRAW_PAIRS; i++) {
+        if (cu->draw_slot_of[i] == result) return i;
+        if (free_pair < 0 && cu->draw_slot_of[i] == NULL) free_pair = i;
+    }
+    if (!assign || free_pair < 0) return -1;
+    cu->draw_slot_of[free_pair] = result;
+    return free_pair;
+}
+
 /* draw_ticket (backend.h): the draw is in its slot once the replay's finish kernel completes
- * (matmul.cu, qc_head_draw_finish_kernel): the slot's event only. Tickets QC_DOWNLOAD_TICKETS
- * and QC_DOWNLOAD_TICKETS + 1 name the two slots. Why: the copy kernel was a launch of its own
- * between two steps (report 20261202-2445fcd's loop: qc_to_host_kernel started 2.2 us after the
- * finish kernel ended and ran 1.2 us, and the next step's first kernel 1.6 us after it). */
+ * (matmul.cu, qc_head_draw_finish_kernel): the slot's event only. Ticket QC_DOWNLOAD_TICKETS + s
+ * names slot s (2 pair + pos % 2). Why: the copy kernel was a launch of its own between two steps
+ * (report 20261202-2445fcd's loop: qc_to_host_kernel started 2.2 us after the finish kernel ended
+ * and ran 1.2 us, and the next step's first kernel 1.6 us after it). */
 static int cu_draw_ticket(qc_backend *be, const void *result, size_t bytes, int pos, int *ticket) {
     qc_cuda *cu = qc_cuda_of(be);
-    if (!cu->draw_to_host || bytes != sizeof(qc_sample_result)) return cu_download_start(be, result, bytes, ticket);
+    const int pair = cu->draw_to_host && bytes == sizeof(qc_sample_result) ? qc_cuda_draw_pair(cu, result, 0) : -1;
+    if (pair < 0) return cu_download_start(be, result, bytes, ticket);
+    const int slot = 2 * pair + (pos & 1);
     *ticket = -1;
-    if (use_device(be) < 0 || QC_CUDA(be, cudaEventRecord(cu->draw_copied[pos & 1], cu->stream)) < 0) return -1;
-    *ticket = QC_DOWNLOAD_TICKETS + (pos & 1);
+    if (use_device(be) < 0 || QC_CUDA(be, cudaEventRecord(cu->draw_copied[slot], cu->stream)) < 0) return -1;
+    *ticket = QC_DOWNLOAD_TICKETS + slot;
     return 0;
 }
 
@@ -340,7 +356,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->sample_done) cudaFree(cu->sample_done);
             if (cu->draw_best) cudaFree(cu->draw_best);
             if (cu->draw_host) {
-                for (int i = 0; i < 2; i++)
+                for (int i = 0; i < 2 * QC_DRAW_PAIRS; i++)
                     if (cu->draw_copied[i]) cudaEventDestroy(cu->draw_copied[i]);
                 cudaFreeHost(cu->draw_host);
             }
@@ -473,11 +489,11 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     QC_CREATE_CHECK(cudaMemsetAsync(cu->sample_done, 0, sizeof(unsigned int), cu->stream));
     QC_CREATE_CHECK(cudaMalloc((void **)&cu->draw_best, sizeof(unsigned long long)));
     QC_CREATE_CHECK(cudaMemsetAsync(cu->draw_best, 0, sizeof(unsigned long long), cu->stream));
-    /* draw_ticket's two slots (qc_cuda.cuh), made here so that no recording makes them */
-    QC_CREATE_CHECK(cudaHostAlloc(&cu->draw_host, 2 * sizeof(qc_sample_result), cudaHostAllocMapped));
+    /* draw_ticket's slots (qc_cuda.cuh), made here so that no recording makes them */
+    QC_CREATE_CHECK(cudaHostAlloc(&cu->draw_host, 2 * QC_DRAW_PAIRS * sizeof(qc_sample_result), cudaHostAllocMapped));
     QC_CREATE_CHECK(cudaHostGetDevicePointer(&cu->draw_host_dev, cu->draw_host, 0));
-    QC_CREATE_CHECK(cudaEventCreateWithFlags(&cu->draw_copied[0], cudaEventDisableTiming));
-    QC_CREATE_CHECK(cudaEventCreateWithFlags(&cu->draw_copied[1], cudaEventDisableTiming));
+    for (int i = 0; i < 2 * QC_DRAW_PAIRS; i++)
+        QC_CREATE_CHECK(cudaEventCreateWithFlags(&cu->draw_copied[i], cudaEventDisableTiming));
     QC_CREATE_CHECK(cudaMalloc(&cu->q8x, qc_q8x_bytes(QC_GEMV_MAX_TOKENS, QC_Q8X_MAX_COLS)));
     static_assert(QC_GEMV_MAX_TOKENS >= 3, "q8x holds three one-token regions");
     cu->q8x_act = (char *)cu->q8x + qc_q8x_bytes(1, QC_Q8X_MAX_COLS);

@@ -255,8 +255,8 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * one atomicMax of it into `best`, whose result no thread waits for; qc_head_draw_finish_kernel,
  * one warp launched after the grid, takes the winner, writes the draw, feeds the next step as
  * feed_draw would (ids, pos), then (feeding, cu->draw_to_host) the draw into the step's slot of
- * mapped host memory, where draw_ticket waits for it, and puts `best` back to 0 for the next
- * launch.
+ * mapped host memory (its session's pair: qc_cuda_draw_pair), where draw_ticket waits for it,
+ * and puts `best` back to 0 for the next launch.
  * Why: after the lm_head, the sample kernel's pass over the logits and feed_draw's launch held the
  * next step back 15 us of a 480 us step (H200, real file, loop profile of report 3112744:
  * qc_sample_kernel started 15.5 us before the next step's first kernel, feed_draw 10.8).
@@ -276,7 +276,8 @@ struct qc_head_draw {
     const qc_sample_state *state;      /* its RNG goes into the result (a greedy draw draws none) */
     qc_sample_result *result;
     int32_t *ids, *pos;                /* the next step's token and position, or NULL: no feed */
-    qc_sample_result *host;            /* with ids: the result also into host[pos % 2] (draw_ticket), or NULL */
+    qc_sample_result *host;            /* with ids: the result also into host[pos % 2] (draw_ticket: its
+                                          session's pair of slots), or NULL */
 };
 
 /* (value, id) -> a key whose unsigned order is qc_sample_better's (sample.cu): the larger value,
@@ -726,8 +727,10 @@ int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, cons
     qc_cuda *cu = qc_cuda_of(be);
     if (!cu->head_draw || !rows4_takes(be, w, 1, 0) || w->rows > INT32_MAX || (norm_w && w->cols > QC_NORM_FUSE_MAX_COLS))
         return 0;
+    /* a fed draw also into its session's pair of host slots (draw_ticket), where one is free */
+    const int pair = ids && cu->draw_to_host ? qc_cuda_draw_pair(cu, result, 1) : -1;
     const qc_head_draw draw = {cu->draw_best, (const qc_sample_state *)state, (qc_sample_result *)result, ids, pos,
-                               ids && cu->draw_to_host ? (qc_sample_result *)cu->draw_host_dev : NULL};
+                               pair >= 0 ? (qc_sample_result *)cu->draw_host_dev + 2 * pair : NULL};
     /* the output norm: x normalised and quantized in one launch (qc_norm_quantize_q8_kernel:
      * rmsnorm's numbers, then qc_quantize_q8_kernel's), where it took the rmsnorm and the
      * quantize kernels */
@@ -736,5 +739,6 @@ int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, cons
     if (matmul_any(be, w, NULL, x, 1, NULL, logits, 0, NULL, norm_w ? &xq : NULL, &draw) < 0) return -1;
     if (ids) qc_cuda_forget_rope(cu);   /* it moves the position (feed_draw) */
     qc_launch(cu, qc_head_draw_finish_kernel, dim3(1), dim3(32), 0, draw);
-    return QC_LAUNCHED(be, "qc_head_draw_finish_kernel") < 0 ? -1 : 1;
+    if (QC_LAUNCHED(be, "qc_head_draw_finish_kernel") < 0) return -1;
+    return draw.host ? 2 : 1;
 }

@@ -26,6 +26,9 @@ typedef struct qc_l2_ahead {
 } qc_l2_ahead;
 
 /* Backend-private state (be->impl). */
+/* result buffers (sessions) whose fed draws reach the host by draw_ticket at once (qc_cuda) */
+#define QC_DRAW_PAIRS 8
+
 typedef struct qc_cuda {
     cudaStream_t stream;        /* every op and copy runs on it, in order */
     cublasHandle_t blas;        /* bound to stream */
@@ -155,13 +158,17 @@ typedef struct qc_cuda {
     int copy_kernel;
     unsigned next_ticket;
     /* draw_ticket's (backend.h): matmul_draw's finish kernel, where it feeds the next step, also
-     * stores its qc_sample_result into draw_host_dev[pos % 2] (pinned host memory mapped for the
-     * device, made at creation), pos the step's position, and draw_ticket records the slot's
-     * event after the replay: the draw reaches the host with no copy kernel between two steps.
-     * QWENCUDA_DRAW_TO_HOST=0 at creation leaves it to download_start's copy (to compare). */
+     * stores its qc_sample_result into a slot of pinned host memory mapped for the device (made
+     * at creation), and draw_ticket records the slot's event after the replay: the draw reaches
+     * the host with no copy kernel between two steps. A pair of slots serves one result buffer
+     * (one session's: draw_slot_of, given out by qc_cuda_draw_pair and taken back when the
+     * buffer is freed), slot pos % 2 its step at position pos, so that neither the step queued
+     * ahead nor another session's overwrites a draw not yet read. QWENCUDA_DRAW_TO_HOST=0 at
+     * creation leaves it to download_start's copy (to compare). */
     int draw_to_host;
-    void *draw_host, *draw_host_dev;
-    cudaEvent_t draw_copied[2];
+    void *draw_host, *draw_host_dev;                  /* QC_DRAW_PAIRS pairs of qc_sample_result */
+    const void *draw_slot_of[QC_DRAW_PAIRS];          /* the result buffer a pair serves, or NULL */
+    cudaEvent_t draw_copied[2 * QC_DRAW_PAIRS];
 } qc_cuda;
 #define QC_DEC_SYNC_BARRIER 2
 #define QC_DEC_SYNC_WORDS (QC_DEC_SYNC_BARRIER + 65536 / 32)
@@ -273,6 +280,9 @@ int qc_cuda_dequantize_rows(qc_backend *be, const qc_weight *w, int64_t row0, in
 int qc_cuda_add_bias(qc_backend *be, float *out, const float *bias, int n, int64_t rows);
 /* bytes (<= QC_DOWNLOAD_AHEAD_BYTES) of src into host memory mapped for the device (sample.cu) */
 int qc_cuda_to_host(qc_backend *be, const void *src, void *host, int bytes);
+/* The pair of draw slots that serves result (qc_cuda's draw_slot_of), given out first where
+ * assign; -1 where none does (or, assigning, none is free). */
+int qc_cuda_draw_pair(qc_cuda *cu, const void *result, int assign);
 /* f32 -> f16, count values. */
 int qc_cuda_to_half(qc_backend *be, const float *src, void *dst, int64_t count);
 

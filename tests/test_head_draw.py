@@ -245,3 +245,37 @@ def test_loop_draw_reaches_the_host_from_the_lm_head(big_vocab_model, monkeypatc
     assert all(t[2] for t in got[2:]) and all(t[2] for t in plain[2:])   # the loops ran ahead
     assert ran["drew"] in (None, True) and plain_ran["drew"] in (None, True)
     assert ran["copied"] in (None, False) and plain_ran["copied"] in (None, True)
+
+
+def test_two_sessions_in_lockstep_draw_into_their_own_slots(big_vocab_model, monkeypatch):
+    """Two greedy loops on one model, one step each in turn, each session's next step queued
+    before the other's eval: each session's draws go to its own pair of host slots (draw_ticket;
+    two sessions at the same position parity would otherwise overwrite each other's draw before
+    it is read), so both draw what they draw alone; and more sessions than pairs
+    (QC_DRAW_PAIRS, 8) still draw right, those past it by download_start's copy."""
+    greedy = dict(temperature=0.0)
+    prompts = [[1, 2, 3, 4, 5], [40, 50, 60, 70, 80]] + [[7 + i, 9, 11, 13, 15] for i in range(8)]
+    with qc.Model(big_vocab_model, device="cuda") as m:
+        samp = qc.Sampler(m.config.n_vocab, **greedy)
+
+        def alone(prompt, steps):
+            with m.session(max_context=64) as s:
+                toks = [s.prefill(prompt, logits=None, sampler=samp).token]
+                for _ in range(steps):
+                    toks.append(s.step(toks[-1], logits=None, sampler=samp).token)
+                return toks
+
+        want = [alone(p, 12) for p in prompts]
+        sessions = [m.session(max_context=64) for _ in prompts]
+        try:
+            toks = [[s.prefill(p, logits=None, sampler=samp).token] for s, p in zip(sessions, prompts)]
+            ahead = 0
+            for _ in range(12):
+                for i, s in enumerate(sessions):
+                    toks[i].append(s.step(toks[i][-1], logits=None, sampler=samp).token)
+                    ahead += s.ran_ahead
+        finally:
+            for s in sessions:
+                s.close()
+    assert toks == want
+    assert ahead >= 10 * len(prompts)   # every loop ran ahead after its first two steps

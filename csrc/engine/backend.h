@@ -257,19 +257,19 @@ typedef struct qc_backend_ops {
      * chosen, -1 when every logit is NaN or -inf; the state's RNG), the same logits and result.
      * norm_w: when not NULL, x is first RMS-normalised with it and eps (rmsnorm, bit for bit;
      * the normalised x is not kept), so the output norm needs no launch of its own. With ids
-     * and pos (not NULL) it then does what feed_draw does with that result, and (a backend
-     * with draw_ticket) also puts the result where draw_ticket finds it. Returns 1 when it
-     * ran, 0 where it does not serve w (nothing queued: the caller runs rmsnorm, matmul,
-     * sample and feed_draw), -1 on error. */
+     * and pos (not NULL) it then does what feed_draw does with that result, and may also put
+     * the result where draw_ticket finds it. Returns 2 when it ran and did that, 1 when it ran,
+     * 0 where it does not serve w (nothing queued: the caller runs rmsnorm, matmul, sample and
+     * feed_draw), -1 on error. */
     int (*matmul_draw)(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
                        float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
     int (*download_start)(qc_backend *be, const void *src, size_t bytes, int *ticket);
     int (*download_finish)(qc_backend *be, int ticket, void *host_dst, size_t bytes);
     /* draw_ticket: download_start of the bytes of result that the step just queued drew, where
-     * that step is a replay of a recording whose matmul_draw fed the step after it (ids, pos),
-     * pos the queued step's position: matmul_draw put the result into the backend's host memory
-     * already (slot pos % 2), so only the wait for it is queued, not a copy of its own. The
-     * ticket is download_finish's, good until the step two positions on is queued. NULL: the
+     * that step is a replay of a recording whose matmul_draw returned 2 (it fed the step after
+     * it and put the result into the backend's host memory), pos the queued step's position:
+     * only the wait for it is queued, not a copy of its own. The ticket is download_finish's,
+     * good until the step two positions on, drawing into the same result, is queued. NULL: the
      * caller takes download_start. */
     int (*draw_ticket)(qc_backend *be, const void *result, size_t bytes, int pos, int *ticket);
 

@@ -1296,7 +1296,7 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
         OP(drawn = op->matmul_draw(be, &m->output, sc->x + (size_t)r0 * dim, m->output_norm, c->norm_eps, s->logits,
                                    s->sample_state, s->sample_result, p->feeds ? sc->ids : NULL,
                                    p->feeds ? sc->pos : NULL));
-    s->head_draw_fed = drawn && p->feeds;
+    s->head_draw_fed = drawn == 2 && p->feeds;   /* its draw reaches the host by draw_ticket */
 
     /* output RMSNorm: every row when all are needed, else the lm_head's (decode_step ran both) */
     const int first = want_norm ? 0 : r0;
