@@ -279,7 +279,7 @@ static int cu_download_start(qc_backend *be, const void *src, size_t bytes, int 
 
 static int cu_download_finish(qc_backend *be, int ticket, void *host_dst, size_t bytes) {
     qc_cuda *cu = qc_cuda_of(be);
-    if (ticket >= QC_DOWNLOAD_TICKETS && ticket < QC_DOWNLOAD_TICKETS + 2 * QC_DRAW_PAIRS && cu->draw_to_host &&
+    if (ticket >= QC_DOWNLOAD_TICKETS && ticket < QC_DOWNLOAD_TICKETS + 2 * QC_DRAW_PAIRS &&
         bytes <= sizeof(qc_sample_result)) {   /* draw_ticket's */
         const int slot = ticket - QC_DOWNLOAD_TICKETS;
         if (use_device(be) < 0 || QC_CUDA(be, cudaEventSynchronize(cu->draw_copied[slot])) < 0) return -1;
@@ -309,10 +309,10 @@ int qc_cuda_draw_pair(qc_cuda *cu, const void *result, int assign) {
  * names slot s (2 pair + pos % 2). Why: the copy kernel was a launch of its own between two steps
  * (report 20261202-2445fcd's loop: qc_to_host_kernel started 2.2 us after the finish kernel ended
  * and ran 1.2 us, and the next step's first kernel 1.6 us after it). */
-static int cu_draw_ticket(qc_backend *be, const void *result, size_t bytes, int pos, int *ticket) {
+static int cu_draw_ticket(qc_backend *be, const void *result, int pos, int *ticket) {
     qc_cuda *cu = qc_cuda_of(be);
-    const int pair = cu->draw_to_host && bytes == sizeof(qc_sample_result) ? qc_cuda_draw_pair(cu, result, 0) : -1;
-    if (pair < 0) return cu_download_start(be, result, bytes, ticket);
+    const int pair = cu->draw_to_host ? qc_cuda_draw_pair(cu, result, 0) : -1;
+    if (pair < 0) return cu_download_start(be, result, sizeof(qc_sample_result), ticket);
     const int slot = 2 * pair + (pos & 1);
     *ticket = -1;
     if (use_device(be) < 0 || QC_CUDA(be, cudaEventRecord(cu->draw_copied[slot], cu->stream)) < 0) return -1;

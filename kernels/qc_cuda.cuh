@@ -25,10 +25,10 @@ typedef struct qc_l2_ahead {
     int64_t bytes[QC_READ_AHEAD_MAX];
 } qc_l2_ahead;
 
-/* Backend-private state (be->impl). */
 /* result buffers (sessions) whose fed draws reach the host by draw_ticket at once (qc_cuda) */
 #define QC_DRAW_PAIRS 8
 
+/* Backend-private state (be->impl). */
 typedef struct qc_cuda {
     cudaStream_t stream;        /* every op and copy runs on it, in order */
     cublasHandle_t blas;        /* bound to stream */

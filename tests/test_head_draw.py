@@ -277,5 +277,6 @@ def test_two_sessions_in_lockstep_draw_into_their_own_slots(big_vocab_model, mon
         finally:
             for s in sessions:
                 s.close()
+    assert want[0] != want[1]   # the first two draw apart: a draw read from the other's slot shows
     assert toks == want
     assert ahead >= 10 * len(prompts)   # every loop ran ahead after its first two steps

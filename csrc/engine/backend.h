@@ -265,13 +265,13 @@ typedef struct qc_backend_ops {
                        float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
     int (*download_start)(qc_backend *be, const void *src, size_t bytes, int *ticket);
     int (*download_finish)(qc_backend *be, int ticket, void *host_dst, size_t bytes);
-    /* draw_ticket: download_start of the bytes of result that the step just queued drew, where
+    /* draw_ticket: download_start of the qc_sample_result that the step just queued drew, where
      * that step is a replay of a recording whose matmul_draw returned 2 (it fed the step after
      * it and put the result into the backend's host memory), pos the queued step's position:
      * only the wait for it is queued, not a copy of its own. The ticket is download_finish's,
      * good until the step two positions on, drawing into the same result, is queued. NULL: the
      * caller takes download_start. */
-    int (*draw_ticket)(qc_backend *be, const void *result, size_t bytes, int pos, int *ticket);
+    int (*draw_ticket)(qc_backend *be, const void *result, int pos, int *ticket);
 
     /* ---- optional (NULL where unsupported): a decode step's layers and lm_head at once ----
      * decode_step computes what the fused ops compute for one token over n_kv keys (the

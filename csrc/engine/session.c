@@ -1428,7 +1428,7 @@ static int decode_replayed(qc_session *s, const eval_plan *p, qc_error *err) {
 static int draw_download_start(qc_session *s, int bucket, int kind, int pos, int *ticket) {
     qc_backend *be = s->be;
     if (s->rec_draw_fed[bucket][kind] && be->ops->draw_ticket)
-        return be->ops->draw_ticket(be, s->sample_result, sizeof(qc_sample_result), pos, ticket);
+        return be->ops->draw_ticket(be, s->sample_result, pos, ticket);
     return be->ops->download_start(be, s->sample_result, sizeof(qc_sample_result), ticket);
 }
 
