@@ -74,6 +74,22 @@
  * also not kept) 2103.3-2111.1 tok/s at 512 keys and 1807.0-1815.1 at 2560, against
  * 2143.1-2151.8 and 1856.4-1863.0 without this change.
  *
+ * Measured and not kept (H200, real file, one lease; report 20261202-df1b913-*, addendum): the o
+ * projection folded into this launch, to take its kernel and one grid-wide wait out of each layer.
+ * Block 0 of a cluster stored its head's 8-bit output into the other blocks (st.async), each block
+ * computed dim / C rows of the head's share of att @ Wo^T from its rows of wo (copied into shared
+ * memory before the wait) and added them into 64-bit fixed-point sums (round(v * 2^32): integer
+ * atomics, the same bits at every run), and the gate/up kernel's blocks added the sums to x and
+ * normalised it themselves. Correct (logits within 1e-5 of the exact unfused step, but where an
+ * 8-bit quant rounds the other way, as with norm_next), and slower: 2165.5, 2164.1, 2159.7 tok/s at
+ * 512 keys and 1887.8, 1890.5, 1881.4 at 2560 against 2302.1, 2294.5, 2292.9 and 1958.1, 1959.4,
+ * 1960.2 without it (three alternating rounds); with the gate/up rows read from L2, not copied
+ * (QWENCUDA_WEIGHTS_SHARED=0) 2079-2085, clusters of 8 2113-2120, without the gate/up read-ahead
+ * 2107-2114. Read off these figures (not stamped): the o projection's 28 small blocks left room
+ * for the gate/up kernel's 152 blocks to be placed and copy their 6 MB of rows while it ran; after
+ * this launch, whose blocks hold an SM's registers two at a time, those copies wait for its blocks
+ * to leave, and the step lost more (about 1 us a layer) than the o projection's launch cost.
+ *
  * Elsewhere (several tokens, other weight types, flash decode's long contexts, no clusters,
  * QWENCUDA_QKV_ATTENTION=0 at creation) the op is matmul_qkv_rope, then attention.
  */
