@@ -85,10 +85,17 @@
  * 512 keys and 1887.8, 1890.5, 1881.4 at 2560 against 2302.1, 2294.5, 2292.9 and 1958.1, 1959.4,
  * 1960.2 without it (three alternating rounds); with the gate/up rows read from L2, not copied
  * (QWENCUDA_WEIGHTS_SHARED=0) 2079-2085, clusters of 8 2113-2120, without the gate/up read-ahead
- * 2107-2114. Read off these figures (not stamped): the o projection's 28 small blocks left room
- * for the gate/up kernel's 152 blocks to be placed and copy their 6 MB of rows while it ran; after
- * this launch, whose blocks hold an SM's registers two at a time, those copies wait for its blocks
- * to leave, and the step lost more (about 1 us a layer) than the o projection's launch cost.
+ * 2107-2114. Step stamps (a stamped build, the synthetic 0.5B Q4_K_M, in one lease; per layer,
+ * medians of 8 steps) say where it went: the step 455.6 -> 474.8 us; this launch's share 7.26 ->
+ * 8.96 us (its blocks' body 5.0 -> 6.4 us, 1.4 us of it the merge, the stores and the rows after
+ * the partials; its wait reached 0.8 us later, behind the copies of wo); the gate/up kernel's
+ * 4.29 -> 5.18 us, the down projection's 2.98 -> 3.50, against the o projection's 2.50 saved.
+ * The gate/up blocks were placed only as this launch's blocks left (the last one 0.0-0.4 us
+ * after its last end; without the fold, about 1.7 us before its own release, during the o
+ * projection), so their weight copies finished 1.0-1.4 us after their release, not 0.06: the o
+ * projection's 28 small blocks had been what let the gate/up kernel's 152 load their 6 MB of
+ * rows before their wait, and this launch's blocks, which fill an SM's registers two at a time,
+ * leave them no room until they end.
  *
  * Elsewhere (several tokens, other weight types, flash decode's long contexts, no clusters,
  * QWENCUDA_QKV_ATTENTION=0 at creation) the op is matmul_qkv_rope, then attention.
