@@ -40,7 +40,7 @@ def _same(a, b, device, what):
         assert err <= CUDA_TOL * scale, f"{what}: max error {err:.3g} > {CUDA_TOL} * {scale:.3g}"
 
 
-@pytest.mark.parametrize("weight_type", ["f32", "f16", "bf16", "q8_0", "q5_k", "q4_k_m"])
+@pytest.mark.parametrize("weight_type", ["f32", "f16", "bf16", "q8_0", "q5_0", "q4_0", "q5_k", "q4_k_m"])
 @pytest.mark.parametrize("config", ["tiny-gqa7", "tiny-hd64", "tiny-oddvocab"])
 def test_fused_logits_equal_unfused(device, config, weight_type):
     """A session without capture (fused) against one with capture="*" (unfused): a prefill of
