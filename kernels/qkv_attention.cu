@@ -87,9 +87,10 @@
  * (QWENCUDA_WEIGHTS_SHARED=0) 2079-2085, clusters of 8 2113-2120, without the gate/up read-ahead
  * 2107-2114. Step stamps (a stamped build, the synthetic 0.5B Q4_K_M, in one lease; per layer,
  * medians of 8 steps) say where it went: the step 455.6 -> 474.8 us; this launch's share 7.26 ->
- * 8.96 us (its blocks' body 5.0 -> 6.4 us, 1.4 us of it the merge, the stores and the rows after
- * the partials; its wait reached 0.8 us later, behind the copies of wo); the gate/up kernel's
- * 4.29 -> 5.18 us, the down projection's 2.98 -> 3.50, against the o projection's 2.50 saved.
+ * 8.96 us (its blocks' body 5.0 -> 6.4 us, 1.4 us of it the merge, the stores and the o rows
+ * after the partials; its last block reached its wait 0.8 us later, after the copies of wo and
+ * the read-ahead it issued before the wait); the gate/up kernel's 4.29 -> 5.18 us, the down
+ * projection's 2.98 -> 3.50, against the o projection's 2.50 saved.
  * The gate/up blocks were placed only as this launch's blocks left (the last one 0.0-0.4 us
  * after its last end; without the fold, about 1.7 us before its own release, during the o
  * projection), so their weight copies finished 1.0-1.4 us after their release, not 0.06: the o
