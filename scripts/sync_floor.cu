@@ -4,11 +4,19 @@
 //   1. a chain of kernels recorded in a CUDA graph, each block reading what the kernel before
 //      wrote: plain graph edges, or programmatic dependent launch (griddepcontrol.wait, then
 //      launch_dependents: the engine's qc_grid_start), at the engine's grid shapes;
-//   2. a grid barrier inside one resident kernel (an atomic count and a spin on it, as the
+//   2. the same chains with the dependency carried by a count in global memory instead of
+//      griddepcontrol.wait (still launched as programmatic dependent launches, so that the next
+//      grid is placed while this one runs): each block of a grid, once its writes are done, adds
+//      one to the grid's count (a fence, then an atomic), and each block of the next grid spins
+//      on it until it holds the grid's blocks (thread 0; FLAG_ACQUIRE an acquire load a poll,
+//      FLAG_RELAXED relaxed polls and one fence after, FLAG_EARLY as FLAG_RELAXED with the next
+//      grid let launch before the spin), or each block sets its own flag word, which the next
+//      grid's warp 0 reads all of (FLAG_EACH: no two blocks' atomics on one word);
+//   3. a grid barrier inside one resident kernel (an atomic count and a spin on it, as the
 //      persistent decode kernel's qc_grid_sync), one to four blocks an SM.
 // Prints microseconds per kernel and per barrier (the best of 5 graph launches).
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/sync_floor scripts/sync_floor.cu && /tmp/sync_floor
-// Measured: bench/results/20261125-8c20074-*, addendum.
+// Measured: bench/results/20261125-8c20074-*, addendum; the flag chains: bench/results/20261202-5621bde-*.
 #include <cstdio>
 #include <cstring>
 #include <cuda_runtime.h>
@@ -38,6 +46,47 @@ __global__ void step_kernel(const float *in, float *out, int pdl, const float *s
     if (threadIdx.x == 0 || (read && v == 12345.0f)) out[blockIdx.x] = v + 1.0f;
 }
 
+enum { SYNC_PLAIN, SYNC_PDL, FLAG_ACQUIRE, FLAG_RELAXED, FLAG_EARLY, FLAG_EACH, SYNC_KINDS };
+static const char *const sync_name[SYNC_KINDS] = {"plain    ", "PDL      ", "flag acq ", "flag rlx ", "flag erly", "flag each"};
+#define FLAG_WORDS 4096   // a grid's words in FLAG_EACH (one a block); counts: one 128-byte line a grid
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned *p) {
+    unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+__device__ __forceinline__ unsigned ld_relaxed_u32(const unsigned *p) {
+    unsigned v; asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+// Grid i of a chain: waits for grid i - 1 (whose blocks number `want`) by its flags, reads what it
+// wrote, writes its own, then counts itself done.
+__global__ void flag_kernel(const float *in, float *out, unsigned *flags, int i, unsigned want, int sync) {
+    if (sync == FLAG_EARLY) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (i > 0) {
+        if (sync == FLAG_EACH) {
+            if (threadIdx.x < 32) {
+                const unsigned *f = flags + (size_t)(i - 1) * FLAG_WORDS;
+                for (;;) {
+                    bool all = true;
+                    for (unsigned b = threadIdx.x; b < want; b += 32) all &= ld_relaxed_u32(f + b) != 0;
+                    if (__all_sync(0xffffffffu, all)) break;
+                }
+                __threadfence();
+            }
+        } else if (threadIdx.x == 0) {
+            const unsigned *c = flags + (size_t)(i - 1) * 32;
+            if (sync == FLAG_ACQUIRE) while (ld_acquire_u32(c) < want) {}
+            else { while (ld_relaxed_u32(c) < want) {} __threadfence(); }
+        }
+        __syncthreads();
+    }
+    if (sync != FLAG_EARLY) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const float v = __ldcg(in + (blockIdx.x * 7) % gridDim.x);
+    if (threadIdx.x == 0) out[blockIdx.x] = v + 1.0f;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (sync == FLAG_EACH) asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(flags + (size_t)i * FLAG_WORDS + blockIdx.x), "r"(1u) : "memory");
+        else { __threadfence(); atomicAdd(flags + (size_t)i * 32, 1u); }
+    }
+}
+
 __device__ unsigned long long bar_count;
 __global__ void barrier_kernel(int rounds, float *buf) {
     unsigned long long base = 0;
@@ -56,10 +105,12 @@ __global__ void barrier_kernel(int rounds, float *buf) {
 }
 
 struct shape { int sh[2][2]; int smem[2]; int read, mode; };   // smem: dynamic shared memory a block, bytes
-static int chain(const shape &S, int pdl, int n, float *a, float *b, const float *src, cudaStream_t s) {
+static int chain(const shape &S, int sync, int n, float *a, float *b, const float *src, unsigned *flags, cudaStream_t s) {
+    const int pdl = sync != SYNC_PLAIN, flag = sync >= FLAG_ACQUIRE;
     const int (&sh)[2][2] = S.sh;
     const int most_smem = S.smem[0] > S.smem[1] ? S.smem[0] : S.smem[1];
     CK(cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most_smem > 48 * 1024 ? most_smem : 48 * 1024));
+    CK(cudaFuncSetAttribute(flag_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most_smem > 48 * 1024 ? most_smem : 48 * 1024));
     cudaGraph_t g; cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (int i = 0; i < n; i++) {
@@ -68,21 +119,26 @@ static int chain(const shape &S, int pdl, int n, float *a, float *b, const float
         cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3(sh[i & 1][0]); cfg.blockDim = dim3(sh[i & 1][1]); cfg.stream = s;
         cfg.dynamicSmemBytes = S.smem[i & 1];
         cfg.attrs = &attr; cfg.numAttrs = pdl ? 1 : 0;
-        CK(cudaLaunchKernelEx(&cfg, step_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, pdl, src, S.read, S.mode));
+        if (flag) CK(cudaLaunchKernelEx(&cfg, flag_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, flags, i,
+                                        (unsigned)sh[(i - 1) & 1][0], sync));
+        else CK(cudaLaunchKernelEx(&cfg, step_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, pdl, src, S.read, S.mode));
     }
     CK(cudaStreamEndCapture(s, &g));
     CK(cudaGraphInstantiate(&ge, g, 0));
+    const size_t flag_bytes = (size_t)n * FLAG_WORDS * sizeof(unsigned);
+    if (flag) CK(cudaMemsetAsync(flags, 0, flag_bytes, s));
     CK(cudaGraphLaunch(ge, s)); CK(cudaStreamSynchronize(s));
     cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     float best = 1e30f;
     for (int rep = 0; rep < 5; rep++) {
+        if (flag) CK(cudaMemsetAsync(flags, 0, flag_bytes, s));
         cudaEventRecord(e0, s); CK(cudaGraphLaunch(ge, s)); cudaEventRecord(e1, s); CK(cudaStreamSynchronize(s));
         float ms; cudaEventElapsedTime(&ms, e0, e1); if (ms < best) best = ms;
     }
     printf("chain of %d kernels, %4d x %3d then %4d x %3d, %s", n, sh[0][0], sh[0][1], sh[1][0], sh[1][1],
-           pdl ? "PDL      " : "plain    ");
+           sync_name[sync]);
     if (S.smem[0] || S.smem[1]) printf(", %d then %d KB of shared memory a block", S.smem[0] / 1024, S.smem[1] / 1024);
-    if (S.read) printf(", reading %d bytes a block (%s)", S.read, S.mode == READ_OWN ? "its own" : S.mode == READ_COPIES ? "one of 16 copies" : "the same");
+    if (S.read && !flag) printf(", reading %d bytes a block (%s)", S.read, S.mode == READ_OWN ? "its own" : S.mode == READ_COPIES ? "one of 16 copies" : "the same");
     printf(": %.3f us a kernel (best of 5)\n", best * 1000.0f / n);
     cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
     return 0;
@@ -124,6 +180,7 @@ int main(int argc, char **argv) {
     int sms = 0; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     float *a, *b, *src; CK(cudaMalloc(&a, 4096 * sizeof(float))); CK(cudaMalloc(&b, 4096 * sizeof(float)));
     CK(cudaMalloc(&src, (size_t)4096 * READ_MAX)); CK(cudaMemset(src, 0, (size_t)4096 * READ_MAX));
+    unsigned *flags; CK(cudaMalloc(&flags, (size_t)2000 * FLAG_WORDS * sizeof(unsigned)));
     CK(cudaMemset(a, 0, 4096 * sizeof(float))); CK(cudaMemset(b, 0, 4096 * sizeof(float)));
     cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     const char *engine[] = {"28x256", "112x512", "152x512", "896x256", "4096x256"};
@@ -134,8 +191,8 @@ int main(int argc, char **argv) {
             printf("bad shape %s\n", argv[i + 1]);
             return 1;
         }
-        for (int pdl = 0; pdl < 2; pdl++)
-            if (chain(S, pdl, 2000, a, b, src, s)) return 1;
+        for (int sync = 0; sync < SYNC_KINDS; sync++)
+            if ((sync < FLAG_ACQUIRE || !S.read) && chain(S, sync, 2000, a, b, src, flags, s)) return 1;
     }
     if (argc > 1) return 0;
     for (int per_sm = 1; per_sm <= 4; per_sm *= 2) {
