@@ -16,7 +16,7 @@
 //      persistent decode kernel's qc_grid_sync), one to four blocks an SM.
 // Prints microseconds per kernel and per barrier (the best of 5 graph launches).
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/sync_floor scripts/sync_floor.cu && /tmp/sync_floor
-// Measured: bench/results/20261125-8c20074-*, addendum; the flag chains: bench/results/20261202-5621bde-*.
+// Measured: bench/results/20261125-8c20074-*, addendum; the flag chains: bench/results/20261202-b2a36d6-*, addendum.
 #include <cstdio>
 #include <cstring>
 #include <cuda_runtime.h>
