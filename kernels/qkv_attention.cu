@@ -130,7 +130,11 @@ struct qc_qa_shape {
     static constexpr int threads = QC_ATT_SPLIT_THREADS * splits;
     static constexpr int warps = threads / 32;
     /* an SM's blocks for __launch_bounds__: two of 256 threads (at most 128 registers); none asked
-     * for the 512-thread blocks (one an SM either way: the registers ptxas gave them before) */
+     * for the 512-thread blocks (one an SM either way: the registers ptxas gave them before).
+     * Measured and not kept (H200, synthetic 0.5B Q4_K_M, three alternating rounds; report
+     * 20261202-b2a36d6, addendum): four (64 registers, 188 bytes spilled), so that a block fits
+     * beside three of the down projection's and is placed before they leave: 2005.0, 2014.9,
+     * 2003.9 tok/s at 512 keys against 2279.0, 2295.5, 2283.6 (-12%). */
     static constexpr int min_blocks = C == QC_ATT_CLUSTER ? 0 : 2;
     static_assert(QC_ATT_SPLITS % C == 0 && C * warps == QC_QA_CLUSTER_WARPS, "a cluster's splits and warps");
     static_assert(threads >= QC_NORM_ROW_THREADS, "rmsnorm's sums: a thread each");
