@@ -11,7 +11,8 @@
 //      on it until it holds the grid's blocks (thread 0; FLAG_ACQUIRE an acquire load a poll,
 //      FLAG_RELAXED relaxed polls and one fence after, FLAG_EARLY as FLAG_RELAXED with the next
 //      grid let launch before the spin), or each block sets its own flag word, which the next
-//      grid's warp 0 reads all of (FLAG_EACH: no two blocks' atomics on one word);
+//      grid's warp 0 reads all of (FLAG_EACH: no two blocks' atomics on one word); a shape's
+//      "/R" reads are not made there, so shapes with them run the plain and PDL chains only;
 //   3. a grid barrier inside one resident kernel (an atomic count and a spin on it, as the
 //      persistent decode kernel's qc_grid_sync), one to four blocks an SM.
 // Prints microseconds per kernel and per barrier (the best of 5 graph launches).
@@ -109,8 +110,9 @@ static int chain(const shape &S, int sync, int n, float *a, float *b, const floa
     const int pdl = sync != SYNC_PLAIN, flag = sync >= FLAG_ACQUIRE;
     const int (&sh)[2][2] = S.sh;
     const int most_smem = S.smem[0] > S.smem[1] ? S.smem[0] : S.smem[1];
-    CK(cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most_smem > 48 * 1024 ? most_smem : 48 * 1024));
-    CK(cudaFuncSetAttribute(flag_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most_smem > 48 * 1024 ? most_smem : 48 * 1024));
+    const int smem_limit = most_smem > 48 * 1024 ? most_smem : 48 * 1024;
+    CK(cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_limit));
+    CK(cudaFuncSetAttribute(flag_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_limit));
     cudaGraph_t g; cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (int i = 0; i < n; i++) {
@@ -119,8 +121,9 @@ static int chain(const shape &S, int sync, int n, float *a, float *b, const floa
         cudaLaunchConfig_t cfg = {}; cfg.gridDim = dim3(sh[i & 1][0]); cfg.blockDim = dim3(sh[i & 1][1]); cfg.stream = s;
         cfg.dynamicSmemBytes = S.smem[i & 1];
         cfg.attrs = &attr; cfg.numAttrs = pdl ? 1 : 0;
+        const unsigned blocks_before = i > 0 ? (unsigned)sh[(i - 1) & 1][0] : 0;   // what grid i waits for
         if (flag) CK(cudaLaunchKernelEx(&cfg, flag_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, flags, i,
-                                        (unsigned)sh[(i - 1) & 1][0], sync));
+                                        blocks_before, sync));
         else CK(cudaLaunchKernelEx(&cfg, step_kernel, (const float *)(i & 1 ? b : a), i & 1 ? a : b, pdl, src, S.read, S.mode));
     }
     CK(cudaStreamEndCapture(s, &g));
