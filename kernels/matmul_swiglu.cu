@@ -97,7 +97,16 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restri
  * (76 blocks of 1024 threads, 79 KB of copies), since a dependency across a grid of fewer blocks
  * resolves sooner (matmul.cu, qc_gemv_q8_split_rows_kernel): 2173.1 tok/s at 512 keys and 1842.4
  * at 2560 against 2224.2 and 1907.3 in the same round; a block holding a whole SM's registers
- * leaves no room beside it for the down projection's blocks until it ends. */
+ * leaves no room beside it for the down projection's blocks until it ends.
+ * Measured and not kept (H200, real file, three alternating rounds in one lease, 2026-12-03,
+ * against 25ac1c7): x's 8-bit form and the norm's block sums staged in shared memory after the
+ * wait (each 16-byte piece loaded by one thread of the block, then a block barrier), here and in
+ * the o projection's add_norm kernel, since each of the 16 warps of the 152 blocks reads all of x
+ * from L2 (step stamps put warp 0's dot products 1.8-2.0 us after the release, its rows already
+ * in shared memory): 2179.3, 2176.4, 2182.9 tok/s at 512 keys and 1864.0, 1861.6, 1863.6 at 2560
+ * against 2289.7, 2290.0, 2301.3 and 1950.0, 1954.7, 1957.7 (-5%; test_kernels -k "matmul_add or
+ * swiglu" and test_fusion passed on it). So the warps' own loads of x, side by side, are not
+ * what the dot products wait for; the barrier after one load was slower. */
 #define QC_SWIGLU_ROWS 32
 #define QC_SWIGLU_Q8_THREADS (32 * QC_SWIGLU_ROWS / 2)
 #define QC_SWIGLU_Q8_BLOCKS_PER_SM 2

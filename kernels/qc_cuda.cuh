@@ -392,7 +392,13 @@ __device__ __forceinline__ void qc_grid_launch_next() {
  * 16-byte aligned) at their wait up to 2 us after the grid's first release, its Q4_K layers'
  * (aligned rows) within 0.25 us. With the change they came within 0.1-1.5 us and the grid's
  * share of a stamped step fell 3.22 -> 3.02 us, but decode went 2156.2-2165.9 -> 2143.1-2151.8
- * tok/s at 512 keys and 1864.2-1868.8 -> 1856.4-1863.0 at 2560 (three alternating rounds). */
+ * tok/s at 512 keys and 1864.2-1868.8 -> 1856.4-1863.0 at 2560 (three alternating rounds).
+ * Measured and not kept (H200, real file, three alternating rounds in one lease, 2026-12-03,
+ * against 25ac1c7): the aligned middle as one bulk copy by thread 0 (cp.async.bulk into shared
+ * memory, counted by an mbarrier that qc_copy_wait arrives at and waits on), so that the 16-byte
+ * pieces of every kernel's copies leave the SMs' load queues to the copy engine: 2229.7, 2221.4,
+ * 2228.9 tok/s at 512 keys and 1894.9, 1890.3, 1894.3 at 2560, against 2262.8, 2281.1, 2272.9
+ * and 1928.6, 1936.9, 1937.4 (-2%). */
 __device__ __forceinline__ const uint8_t *qc_copy_to_shared(uint8_t *dst, const uint8_t *src, int64_t bytes) {
     const uintptr_t s = (uintptr_t)src, lo = (s + 15) & ~(uintptr_t)15, hi = (s + (uintptr_t)bytes) & ~(uintptr_t)15;
     uint8_t *d = dst + (s & 15);
