@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# scripts/device_ab.sh: an A/B of two builds' decode speed on the GPU machine, with the builds made
+# here (on the CPU machine) so that the device's time goes to measuring.
+#
+# Why: the device tool's machine goes back after 30 s idle and lends 1800 s a session; a build
+# there (pip install, all kernels, sm_90) took 90-150 s alone and more than 6 minutes for three at
+# once (2026-12-03), while here two build side by side in about 6 minutes of no device time. A
+# compressed .so (15 MB of 32) fits the 64 MiB a call carries, two of them beside the tree.
+#
+# Here (CPU machine, CPython of the device: 3.12):
+#   scripts/device_ab.sh build BASE
+#       builds BASE (a commit) and the working tree for sm_90 into /tmp/device_ab/{base,new}
+#       and writes .dev/{base.tar.xz, base.so.xz, new.so.xz} (.dev/ is git-ignored: list it in
+#       .git/info/exclude). PYTHON names the interpreter (default python3.12 on PATH).
+#   scripts/device_ab.sh split MODEL
+#       the real GGUF file into .model/part0..8 (one a call: each ~52 MB).
+# On the device (the `run` tool; carry .whl (the gguf wheel), .dev/*, then one .model/partN a call):
+#   scripts/device_ab.sh setup            both builds into /tmp/base and /tmp/new, gguf into /tmp/site
+#   scripts/device_ab.sh part N           .model/partN to /tmp/m
+#   scripts/device_ab.sh model            the parts joined into /tmp/m/qwen.gguf, and its sha256
+#   scripts/device_ab.sh bench MODEL [ROUNDS] [ENV...]
+#       `python -m qwencuda bench` (prompt 512, depths 0 and 2048, 128 tokens, 3 repeats) of base,
+#       then new, ROUNDS (3) times; ENV (NAME=value words) applies to new only, so that one build
+#       also A/Bs a switch read at creation (QWENCUDA_*=0).
+# Each round takes about 5 s a build on the 0.5B file.
+set -euo pipefail
+so=_core.cpython-312-x86_64-linux-gnu.so
+top=$(cd "$(dirname "$0")/.." && pwd)
+mode=${1:?usage: scripts/device_ab.sh build BASE | split MODEL | setup | part N | model | bench MODEL [ROUNDS] [ENV...]}
+shift
+case $mode in
+build)
+    base=${1:?the base commit}
+    py=${PYTHON:-python3.12}
+    work=/tmp/device_ab
+    rm -rf "$work" && mkdir -p "$work/base" "$work/new" "$top/.dev"
+    git -C "$top" archive "$base" | tar -x -C "$work/base"
+    git -C "$top" archive "$base" | xz -T0 > "$top/.dev/base.tar.xz"
+    (cd "$top" && git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$work/new")
+    for v in base new; do
+        (cd "$work/$v" && QWENCUDA_CUDA=1 QWENCUDA_CUDA_ARCHS=90 "$py" setup.py -q build_ext --inplace \
+            >"$work/build-$v.log" 2>&1) &
+    done
+    wait
+    for v in base new; do
+        [ -f "$work/$v/qwencuda/$so" ] || { tail -20 "$work/build-$v.log"; exit 1; }
+        xz -T0 -6 -c "$work/$v/qwencuda/$so" > "$top/.dev/$v.so.xz"
+    done
+    ls -la "$top/.dev"
+    ;;
+split)
+    mkdir -p "$top/.model"
+    split -n 9 -d -a 1 "${1:?the GGUF file}" "$top/.model/part"
+    ls -la "$top/.model"
+    ;;
+setup)
+    mkdir -p /tmp/m /tmp/base /tmp/new /tmp/src-base
+    python -m pip install -q --no-deps --target /tmp/site .whl/gguf*.whl
+    tar -xJf .dev/base.tar.xz -C /tmp/src-base
+    cp -r /tmp/src-base/qwencuda /tmp/base/ && xz -dc .dev/base.so.xz > /tmp/base/qwencuda/$so
+    cp -r qwencuda /tmp/new/ && xz -dc .dev/new.so.xz > /tmp/new/qwencuda/$so
+    for v in base new; do (cd /tmp && PYTHONPATH=/tmp/$v:/tmp/site python -c "import qwencuda; print(qwencuda.__file__)"); done
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    ;;
+part)
+    mv ".model/part${1:?N}" /tmp/m/ && ls /tmp/m | wc -l
+    ;;
+model)
+    cat /tmp/m/part0 /tmp/m/part1 /tmp/m/part2 /tmp/m/part3 /tmp/m/part4 /tmp/m/part5 /tmp/m/part6 \
+        /tmp/m/part7 /tmp/m/part8 > /tmp/m/qwen.gguf
+    rm /tmp/m/part?
+    sha256sum /tmp/m/qwen.gguf
+    ;;
+bench)
+    model=${1:?the GGUF file}
+    rounds=${2:-3}
+    shift $(( $# < 2 ? $# : 2 ))
+    for r in $(seq "$rounds"); do
+        for v in base new; do
+            echo "== round $r $v"
+            extra=(); [ "$v" = new ] && extra=("$@")
+            (cd /tmp && env "${extra[@]}" PYTHONPATH=/tmp/$v:/tmp/site python -m qwencuda bench --model "$model" \
+                --prompt-tokens 512 --depth 0 2048 --gen-tokens 128 --repeats 3 2>&1 | grep -E "decode  ")
+        done
+    done
+    ;;
+*)
+    echo "device_ab.sh: unknown mode $mode" >&2
+    exit 2
+    ;;
+esac
