@@ -105,8 +105,9 @@ qc_gemv_q8_swiglu_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restri
  * from L2 (step stamps put warp 0's dot products 1.8-2.0 us after the release, its rows already
  * in shared memory): 2179.3, 2176.4, 2182.9 tok/s at 512 keys and 1864.0, 1861.6, 1863.6 at 2560
  * against 2289.7, 2290.0, 2301.3 and 1950.0, 1954.7, 1957.7 (-5%; test_kernels -k "matmul_add or
- * swiglu" and test_fusion passed on it). So the warps' own loads of x, side by side, are not
- * what the dot products wait for; the barrier after one load was slower. */
+ * swiglu" and test_fusion passed on it). Read off these figures (not stamped): the warps' own
+ * loads of x side by side are not what the dot products wait for, and the added load and barrier
+ * cost more than they saved. */
 #define QC_SWIGLU_ROWS 32
 #define QC_SWIGLU_Q8_THREADS (32 * QC_SWIGLU_ROWS / 2)
 #define QC_SWIGLU_Q8_BLOCKS_PER_SM 2
