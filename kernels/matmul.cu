@@ -245,7 +245,19 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * (no frame; H200, bench/results/20261201-c02e922-*, addendum, against 3112744 in the same
  * lease): ncu's L2 writes 3.72M -> 0.06M sectors, DRAM 56% -> 70% busy; kernel_bench's Q8_0
  * lm_head 51.3 -> 37.8 us (3.8 TB/s, 80% of the bound); the real file's decode 2087.5-2097.3 ->
- * 2141.4-2151.9 tok/s at 512 keys, 1791.5-1798.4 -> 1834.1-1837.6 at 2560. */
+ * 2141.4-2151.9 tok/s at 512 keys, 1791.5-1798.4 -> 1834.1-1837.6 at 2560.
+ * Measured and not kept (H200, real file, alternating rounds in one lease, 2026-12-03, against
+ * ddbb8bd; bench/results/20261203-ddbb8bd-nvidia-h200-ab2.md): (1) the grid as a stream, three
+ * resident blocks an SM each taking every 396th chunk of 32 rows, the next chunk's copy in flight
+ * (cp.async groups, two 30.5 KB buffers) while it computes this one, since a block a chunk holds
+ * its copy and then its dot products in turn; (2) with it, matmul_draw's output norm in every
+ * block (the attention launch's in-block norm) instead of the norm-and-quantize launch before it
+ * (4.86 us of a stamped step). Both, same bits: 2276.6, 2275.8, 2273.2 tok/s at 512 keys against
+ * 2293.4, 2291.3, 2296.4; (1) alone 2270.0, 2280.6 against 2297.7, 2280.8 (even); (2) alone, a
+ * block a chunk (4748 blocks, each normalising), 2187.7, 2179.4 against 2286.0, 2294.4 (-4.5%);
+ * (1) and (2) at two blocks an SM 2231.7, 2229.3 against 2294.4, 2290.9. This kernel's 145 MB in
+ * 37.4 us is 3.87 TB/s, 90% of the 4.3 TB/s (bytes read and written) that a device-to-device
+ * copy moves on this GPU (the device tool's KINDS.md): little is left to stream faster. */
 #define QC_GEMV_ROWS4 4
 #define QC_ROWS4_WARPS 8                /* warps a block: 32 rows */
 #define QC_ROWS4_ROWS (QC_ROWS4_WARPS * QC_GEMV_ROWS4)
