@@ -184,7 +184,16 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
     }
 };
 
-/* Q5_0 (22 bytes): x = d * (q - 16), bit 4 of element e is bit e of qh */
+/* Q5_0 (22 bytes): x = d * (q - 16), bit 4 of element e is bit e of qh.
+ * Measured and not kept (H200, real file, three alternating rounds in one lease, 2026-12-03,
+ * against ddbb8bd; bench/results/20261203-ddbb8bd-nvidia-h200-ab2.md): a layer's Q5_0 matrices
+ * held on the GPU as Q8_0 (the same d, q - 16 as the byte: the same values and the same bits
+ * here), since a Q8_0 block takes 9 loads, 8 funnel shifts and 8 dp4a where this one also takes
+ * the fifth-bit spreads, masks and a dp4a of ones a word; the gate/up kernel's copies (61 KB a
+ * block) allowed by a raised shared-memory limit. 2210.4, 2204.0, 2198.7 tok/s at 512 keys and
+ * 1887.6, 1874.4, 1878.3 at 2560, against 2291.8, 2281.6, 2272.8 and 1942.9, 1944.3, 1939.3
+ * (-3.5%); with the switch off, even. The 55% more bytes a block of q, k, v, o, gate and up cost
+ * more than the instructions saved. */
 template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
     static constexpr int UNIT = 32;
     template <int NT, bool SH = false>
