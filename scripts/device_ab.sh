@@ -61,7 +61,9 @@ setup)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     ;;
 part)
-    mv ".model/part${1:?N}" /tmp/m/ && ls /tmp/m | wc -l
+    # (its own folder: a part call may land on a fresh machine where setup never ran, when the
+    # machine of the calls before was given back; 2026-12-03)
+    mkdir -p /tmp/m && mv ".model/part${1:?N}" /tmp/m/ && ls /tmp/m | wc -l
     ;;
 model)
     cat /tmp/m/part0 /tmp/m/part1 /tmp/m/part2 /tmp/m/part3 /tmp/m/part4 /tmp/m/part5 /tmp/m/part6 \
