@@ -12,6 +12,9 @@
 #       builds BASE (a commit) and the working tree for sm_90 (scripts/devbuild.sh: /tmp/qc-ab-base,
 #       /tmp/qc-ab-new) and writes .dev/{base.tar.xz, base.so.xz, new.so.xz} (.dev/ is git-ignored: list it in
 #       .git/info/exclude). PYTHON names the interpreter (default python3.12 on PATH).
+#       With STAMPS=1 also both trees patched by scripts/step_stamps.py (its copy of this tree) and
+#       built (/tmp/qc-ab-base-st, /tmp/qc-ab-new-st): .dev/{base,new}-st.so.xz and their
+#       .dev/{base,new}-st-tags.txt (about 6 minutes more).
 #   scripts/device_ab.sh split MODEL
 #       the real GGUF file into .model/part0..8 (one a call: each ~52 MB).
 # On the device (the `run` tool; carry .whl (the gguf wheel), .dev/*, then one .model/partN a call):
@@ -22,11 +25,17 @@
 #       `python -m qwencuda bench` (prompt 512, depths 0 and 2048, 128 tokens, 3 repeats) of base,
 #       then new, ROUNDS (3) times; ENV (NAME=value words) applies to new only, so that one build
 #       also A/Bs a switch read at creation (QWENCUDA_*=0).
+#   scripts/device_ab.sh setup-stamps     after setup, in a call that carries .dev/*-st.*: the
+#                                         stamped builds into /tmp/base-st and /tmp/new-st
+#   scripts/device_ab.sh stamps MODEL [STEPS] [ENV...]
+#       step_stamps.py's decode (STEPS (64) greedy steps after 512 tokens) of each stamped build,
+#       then its kernels table (medians of the last 8 steps); ENV for new only, as in bench.
+#       Stamped builds are compared with each other only (the stamps cost time of their own).
 # A round took about 2 s a build on the real 0.5B file (H200, 2026-12-03).
 set -euo pipefail
 so=_core.cpython-312-x86_64-linux-gnu.so
 top=$(cd "$(dirname "$0")/.." && pwd)
-mode=${1:?usage: scripts/device_ab.sh build BASE | split MODEL | setup | part N | model | bench MODEL [ROUNDS] [ENV...]}
+mode=${1:?usage: scripts/device_ab.sh build BASE | split MODEL | setup | part N | model | bench MODEL [ROUNDS] [ENV...] | setup-stamps | stamps MODEL [STEPS] [ENV...]}
 shift
 case $mode in
 build)
@@ -44,6 +53,23 @@ build)
         [ -f "/tmp/qc-ab-$v/qwencuda/$so" ] || { tail -20 "$work/build-$v.log"; exit 1; }
         xz -T0 -6 -c "/tmp/qc-ab-$v/qwencuda/$so" > "$top/.dev/$v.so.xz"
     done
+    if [ "${STAMPS:-0}" = 1 ]; then
+        # copies of both trees (new: this one's tracked and untracked-not-ignored files) patched
+        # by this tree's step_stamps.py, so that both carry the same stamps
+        mkdir -p "$work/base-st" "$work/new-st"
+        tar -xJf "$top/.dev/base.tar.xz" -C "$work/base-st"
+        (cd "$top" && git ls-files -co --exclude-standard | while IFS= read -r f; do if [ -e "$f" ]; then printf '%s\n' "$f"; fi; done |
+            tar -cf - -T -) | tar -xf - -C "$work/new-st"
+        for v in base new; do "$PYTHON" "$top/scripts/step_stamps.py" patch "$work/$v-st" >/dev/null; done
+        "$work/base-st/scripts/devbuild.sh" ab-base-st >"$work/build-base-st.log" 2>&1 &
+        "$work/new-st/scripts/devbuild.sh" ab-new-st >"$work/build-new-st.log" 2>&1 &
+        wait
+        for v in base new; do
+            [ -f "/tmp/qc-ab-$v-st/qwencuda/$so" ] || { tail -20 "$work/build-$v-st.log"; exit 1; }
+            xz -T0 -6 -c "/tmp/qc-ab-$v-st/qwencuda/$so" > "$top/.dev/$v-st.so.xz"
+            cp "$work/$v-st/stamp_tags.txt" "$top/.dev/$v-st-tags.txt"
+        done
+    fi
     ls -la "$top/.dev"
     ;;
 split)
@@ -82,6 +108,25 @@ bench)
             (cd /tmp && env "${extra[@]}" PYTHONPATH=/tmp/$v:/tmp/site python -m qwencuda bench --model "$model" \
                 --prompt-tokens 512 --depth 0 2048 --gen-tokens 128 --repeats 3 2>&1 | grep -E "decode  ")
         done
+    done
+    ;;
+setup-stamps)
+    for v in base new; do
+        rm -rf "/tmp/$v-st" && mkdir -p "/tmp/$v-st" && cp -r "/tmp/$v/qwencuda" "/tmp/$v-st/"
+        xz -dc ".dev/$v-st.so.xz" > "/tmp/$v-st/qwencuda/$so"
+    done
+    ;;
+stamps)
+    model=${1:?the GGUF file}
+    steps=${2:-64}
+    shift $(( $# < 2 ? $# : 2 ))
+    for v in base new; do
+        echo "== $v, stamped"
+        extra=(); [ "$v" = new ] && extra=("$@")
+        (cd /tmp && env "${extra[@]}" QC_STAMPS="/tmp/st-$v.bin" PYTHONPATH="/tmp/$v-st:/tmp/site" \
+            python "$top/scripts/step_stamps.py" decode "$model" "$steps" 512 >"/tmp/st-$v.log" 2>&1) ||
+            { tail -5 "/tmp/st-$v.log"; continue; }
+        python "$top/scripts/step_stamps.py" kernels "/tmp/st-$v.bin" ".dev/$v-st-tags.txt" 8
     done
     ;;
 *)
