@@ -192,8 +192,8 @@ template <> struct qc_q8_unit<QC_TYPE_Q4_0> {
  * the fifth-bit spreads, masks and a dp4a of ones a word; the gate/up kernel's copies (61 KB a
  * block) allowed by a raised shared-memory limit. 2210.4, 2204.0, 2198.7 tok/s at 512 keys and
  * 1887.6, 1874.4, 1878.3 at 2560, against 2291.8, 2281.6, 2272.8 and 1942.9, 1944.3, 1939.3
- * (-3.5%); with the switch off, even. The 55% more bytes a block of q, k, v, o, gate and up cost
- * more than the instructions saved. */
+ * (-3.5%); with the switch off, even. Read off these figures (not stamped): the 55% more bytes a
+ * block of q, k, v, o, gate and up cost more than the instructions saved. */
 template <> struct qc_q8_unit<QC_TYPE_Q5_0> {
     static constexpr int UNIT = 32;
     template <int NT, bool SH = false>

@@ -35,6 +35,14 @@
 set -euo pipefail
 so=_core.cpython-312-x86_64-linux-gnu.so
 top=$(cd "$(dirname "$0")/.." && pwd)
+# on the device: build $1's command (the rest), with the ENV words in $new_env for new only
+as_build() {
+    local v=$1
+    shift
+    local extra=()
+    [ "$v" = new ] && extra=("${new_env[@]}")
+    (cd /tmp && env "${extra[@]}" "$@")
+}
 mode=${1:?usage: scripts/device_ab.sh build BASE | split MODEL | setup | part N | model | bench MODEL [ROUNDS] [ENV...] | setup-stamps | stamps MODEL [STEPS] [ENV...]}
 shift
 case $mode in
@@ -58,8 +66,8 @@ build)
         # by this tree's step_stamps.py, so that both carry the same stamps
         mkdir -p "$work/base-st" "$work/new-st"
         tar -xJf "$top/.dev/base.tar.xz" -C "$work/base-st"
-        (cd "$top" && git ls-files -co --exclude-standard | while IFS= read -r f; do if [ -e "$f" ]; then printf '%s\n' "$f"; fi; done |
-            tar -cf - -T -) | tar -xf - -C "$work/new-st"
+        (cd "$top" && git ls-files -co --exclude-standard | tar --ignore-failed-read -cf - -T - 2>/dev/null) |
+            tar -xf - -C "$work/new-st"
         for v in base new; do "$PYTHON" "$top/scripts/step_stamps.py" patch "$work/$v-st" >/dev/null; done
         "$work/base-st/scripts/devbuild.sh" ab-base-st >"$work/build-base-st.log" 2>&1 &
         "$work/new-st/scripts/devbuild.sh" ab-new-st >"$work/build-new-st.log" 2>&1 &
@@ -92,8 +100,7 @@ part)
     mkdir -p /tmp/m && mv ".model/part${1:?N}" /tmp/m/ && ls /tmp/m | wc -l
     ;;
 model)
-    cat /tmp/m/part0 /tmp/m/part1 /tmp/m/part2 /tmp/m/part3 /tmp/m/part4 /tmp/m/part5 /tmp/m/part6 \
-        /tmp/m/part7 /tmp/m/part8 > /tmp/m/qwen.gguf
+    cat /tmp/m/part{0..8} > /tmp/m/qwen.gguf
     rm /tmp/m/part?
     sha256sum /tmp/m/qwen.gguf
     ;;
@@ -101,12 +108,12 @@ bench)
     model=${1:?the GGUF file}
     rounds=${2:-3}
     shift $(( $# < 2 ? $# : 2 ))
+    new_env=("$@")
     for r in $(seq "$rounds"); do
         for v in base new; do
             echo "== round $r $v"
-            extra=(); [ "$v" = new ] && extra=("$@")
-            (cd /tmp && env "${extra[@]}" PYTHONPATH=/tmp/$v:/tmp/site python -m qwencuda bench --model "$model" \
-                --prompt-tokens 512 --depth 0 2048 --gen-tokens 128 --repeats 3 2>&1 | grep -E "decode  ")
+            as_build $v PYTHONPATH=/tmp/$v:/tmp/site python -m qwencuda bench --model "$model" \
+                --prompt-tokens 512 --depth 0 2048 --gen-tokens 128 --repeats 3 2>&1 | grep -E "decode  "
         done
     done
     ;;
@@ -120,11 +127,11 @@ stamps)
     model=${1:?the GGUF file}
     steps=${2:-64}
     shift $(( $# < 2 ? $# : 2 ))
+    new_env=("$@")
     for v in base new; do
         echo "== $v, stamped"
-        extra=(); [ "$v" = new ] && extra=("$@")
-        (cd /tmp && env "${extra[@]}" QC_STAMPS="/tmp/st-$v.bin" PYTHONPATH="/tmp/$v-st:/tmp/site" \
-            python "$top/scripts/step_stamps.py" decode "$model" "$steps" 512 >"/tmp/st-$v.log" 2>&1) ||
+        as_build $v QC_STAMPS="/tmp/st-$v.bin" PYTHONPATH="/tmp/$v-st:/tmp/site" \
+            python "$top/scripts/step_stamps.py" decode "$model" "$steps" 512 >"/tmp/st-$v.log" 2>&1 ||
             { tail -5 "/tmp/st-$v.log"; continue; }
         python "$top/scripts/step_stamps.py" kernels "/tmp/st-$v.bin" ".dev/$v-st-tags.txt" 8
     done
