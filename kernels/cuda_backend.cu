@@ -10,6 +10,7 @@
  * kernel) poisons the CUDA context of the process, as it does for every CUDA program.
  */
 #include "qc_cuda.cuh"
+#include "qc_slices.cuh"
 #include "qc_cuda_api.h"
 #include "qc_dequant.cuh"
 #include "qc_gemv_q8.cuh"
@@ -185,7 +186,10 @@ static int cu_weight_load(qc_backend *be, qc_weight *w) {
 }
 
 static void cu_weight_free(qc_backend *be, qc_weight *w) {
-    if (w->data) cu_free(be, w->data);
+    if (w->data) {
+        if (use_device(be) == 0) qc_cuda_free_down_slices(qc_cuda_of(be), w->data);
+        cu_free(be, w->data);
+    }
     w->data = NULL;
 }
 
@@ -352,6 +356,7 @@ static void cu_destroy(qc_backend *be) {
             if (cu->norm_ss) cudaFree(cu->norm_ss);
             if (cu->rope_cs) cudaFree(cu->rope_cs);
             if (cu->dec_sync) cudaFree(cu->dec_sync);
+            qc_cuda_free_down_slices(cu, NULL);
             if (cu->sample_part) cudaFree(cu->sample_part);
             if (cu->sample_done) cudaFree(cu->sample_done);
             if (cu->draw_best) cudaFree(cu->draw_best);
@@ -385,12 +390,20 @@ static int cu_read_ahead(qc_backend *be, const qc_weight *const *w, int n) {
     qc_cuda *cu = qc_cuda_of(be);
     if (n < 0 || n > QC_READ_AHEAD_MAX) return qc_cuda_value_error(be, "read_ahead: %d weights (0..%d)", n, QC_READ_AHEAD_MAX);
     cu->ahead = qc_l2_ahead{};
-    int64_t total = 0;
-    for (int i = 0; i < n; i++) total += (int64_t)w[i]->nbytes;
+    /* a down projection prepared for swiglu_down is read ahead as its slices (down_slices.cu):
+     * only a folded step names it (session.c), and that step reads nothing else of it */
+    const uint8_t *p[QC_READ_AHEAD_MAX];
+    int64_t bytes[QC_READ_AHEAD_MAX], total = 0;
+    for (int i = 0; i < n; i++) {
+        const uint8_t *slices = qc_cuda_down_slices(be, w[i]);
+        p[i] = slices ? slices : (const uint8_t *)w[i]->data;
+        bytes[i] = slices ? w[i]->rows * w[i]->cols / 32 * qc_slice_entry_bytes(w[i]->type) : (int64_t)w[i]->nbytes;
+        total += bytes[i];
+    }
     if (!cu->read_ahead || total > (int64_t)cu->l2_bytes / 4) return 0;
     for (int i = 0; i < n; i++) {
-        cu->ahead.p[i] = (const uint8_t *)w[i]->data;
-        cu->ahead.bytes[i] = (int64_t)w[i]->nbytes;
+        cu->ahead.p[i] = p[i];
+        cu->ahead.bytes[i] = bytes[i];
     }
     return 0;
 }
@@ -423,6 +436,10 @@ static qc_backend_ops make_cuda_ops(void) {
     ops.decode_step_takes = cu_decode_step_takes;
     ops.decode_step = on_device<int(qc_backend *, const qc_decode_plan *)>::run<qc_cuda_decode_step>;
     ops.read_ahead = cu_read_ahead;
+    ops.swiglu_down_prepare =
+        on_device<int(qc_backend *, const qc_weight *, const qc_weight *, const qc_weight *)>::run<qc_cuda_swiglu_down_prepare>;
+    ops.swiglu_down = on_device<int(qc_backend *, const qc_weight *, const qc_weight *, const qc_weight *, const float *,
+                                    const float *, float, float *, int64_t *, int64_t *)>::run<qc_cuda_swiglu_down>;
     return ops;
 }
 
@@ -526,12 +543,13 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
          * weight copies to shared memory (qc_copy_to_shared), and the attention's keys loaded
          * before its wait (attention.cu, QC_ATT_HELD), and read_ahead's hints (matmul.cu), and
          * qkv_attention's one launch (qkv_attention.cu), and the lm_head's four rows a warp
-         * (matmul.cu), and the greedy draw inside it (matmul_draw): QWENCUDA_PDL=0,
+         * (matmul.cu), and the greedy draw inside it (matmul_draw), and the down projection
+         * folded into the gate/up kernel (swiglu_down, matmul_swiglu.cu): QWENCUDA_PDL=0,
          * QWENCUDA_CLUSTERS=0, QWENCUDA_WEIGHTS_SHARED=0, QWENCUDA_ATTENTION_HOLD=0,
-         * QWENCUDA_READ_AHEAD=0, QWENCUDA_QKV_ATTENTION=0, QWENCUDA_GEMV_ROWS4=0 and
-         * QWENCUDA_HEAD_DRAW=0 turn them off; QWENCUDA_COPY_KERNEL=0 copies download_start's
-         * bytes with cudaMemcpyAsync instead of a kernel, QWENCUDA_DRAW_TO_HOST=0 the draw of a
-         * fed step by download_start's copy (draw_ticket) */
+         * QWENCUDA_READ_AHEAD=0, QWENCUDA_QKV_ATTENTION=0, QWENCUDA_GEMV_ROWS4=0,
+         * QWENCUDA_HEAD_DRAW=0 and QWENCUDA_DOWN_FOLD=0 turn them off; QWENCUDA_COPY_KERNEL=0
+         * copies download_start's bytes with cudaMemcpyAsync instead of a kernel,
+         * QWENCUDA_DRAW_TO_HOST=0 the draw of a fed step by download_start's copy (draw_ticket) */
         cu->pdl = sm90 && env_on("QWENCUDA_PDL");
         cu->clusters = sm90 && env_on("QWENCUDA_CLUSTERS");
         cu->w_shared = sm90 && env_on("QWENCUDA_WEIGHTS_SHARED");
@@ -543,6 +561,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->head_draw = env_on("QWENCUDA_HEAD_DRAW");
         cu->copy_kernel = env_on("QWENCUDA_COPY_KERNEL");
         cu->draw_to_host = env_on("QWENCUDA_DRAW_TO_HOST");
+        cu->down_fold = env_on("QWENCUDA_DOWN_FOLD");
         const char *rw = getenv("QWENCUDA_ADD_NORM_WARP_ROWS");
         cu->add_norm_rw = rw && strcmp(rw, "4") == 0 ? 4 : 2;
     }

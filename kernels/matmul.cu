@@ -604,14 +604,15 @@ static int matmul_cublas(qc_backend *be, const qc_weight *w, const float *bias, 
 }
 
 /* Where matmul_add leaves out's normalised 8-bit form (qc_gemv_q8_add_norm_kernel): one token
- * added in place to the residual stream, a 32-element 8-bit type, whole blocks of 32 rows and
+ * added to the residual stream (in place, or from the x + sums that a folded down projection's
+ * next attention op wrote, session.c), a 32-element 8-bit type, whole blocks of 32 rows and
  * at most QC_NORM_SS_MAX_COLS of them (the session passes norm_next unless QWENCUDA_NORM_AFTER=0
  * made it). The 0.5B decode step loses the feed-forward norm's 24 launches: H100, real file,
  * same-lease A/B against 1d69d31, 1768-1798 -> 1858-1867 tok/s at 512 keys and 1576-1578 ->
  * 1647-1656 at 2560 (bench/results/20261124-dbed2c2-*, addendum). */
-static int add_norm_takes(const qc_weight *w, int n, const float *residual, const float *out) {
+static int add_norm_takes(const qc_weight *w, int n, const float *residual) {
     const uint32_t t = w->type;
-    return n == 1 && residual == out && (t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0) &&
+    return n == 1 && residual && (t == QC_TYPE_Q4_0 || t == QC_TYPE_Q5_0 || t == QC_TYPE_Q8_0) &&
            w->rows % QC_ADD_NORM_ROWS == 0 && w->rows <= QC_NORM_SS_MAX_COLS &&
            qc_shared_copy_bytes(QC_ADD_NORM_ROWS * qc_row_bytes(t, w->cols)) <= QC_SHARED_COPY_MAX;
 }
@@ -698,7 +699,7 @@ static int matmul_any(qc_backend *be, const qc_weight *w, const float *bias, con
          * real file, 1853-1881 -> 1901-1911 tok/s at 512 keys, 1654-1670 -> 1663-1668 at 2560
          * (bench/results/20261124-dc7e3b6-*, addendum). */
         const int launch_next = handed && cu->q8x_of_at == cu->q8x;
-        if (norm_next && add_norm_takes(w, n, residual, out)) {
+        if (norm_next && add_norm_takes(w, n, residual)) {
             launch_add_norm(w, xq, residual, out, norm_next, ahead, cu);
             if (QC_LAUNCHED(be, "qc_gemv_q8_add_norm_kernel") < 0) return -1;
             cu->norm_of = out;

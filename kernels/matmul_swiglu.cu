@@ -21,6 +21,7 @@
  */
 #include "qc_gemv.cuh"
 #include "qc_gemv_q8.cuh"
+#include "qc_slices.cuh"
 
 /* What every gate/up kernel does first: ask L2 for this block's rows of both weights, then wait
  * for its inputs (qc_grid_start). Every thread calls it. */
@@ -117,28 +118,70 @@ static int swiglu_q8out_takes(const qc_cuda *cu, const qc_weight *w_gate, const 
            w_gate->rows % QC_SWIGLU_ROWS == 0 && w_gate->rows <= QC_Q8X_MAX_COLS &&
            w_gate->rows / QC_SWIGLU_ROWS <= (int64_t)QC_SWIGLU_Q8_BLOCKS_PER_SM * cu->sm_count;
 }
-template <int T, bool SH>
+/* DT (a weight type, or 0): the down projection folded in (swiglu_down, backend.h). The block's
+ * 32 act values, quantized as above (each warp for itself, in shared memory), times its slice of
+ * w_down (qc_slices.cuh: columns 32 b .. 32 b + 31 of its dim rows, copied into shared memory
+ * before the wait after the gate and up rows, and waited for only after act) are its share of
+ * act @ w_down^T, one partial sum of each of x's dim values, which it adds into sum by integer
+ * atomics (qc_sum_of) that no thread waits for; block 0 also zeroes clear. The next layer's
+ * attention op adds sum to x (qkv_attention.cu), so the down projection's launch and its
+ * grid-wide wait leave the layer.
+ * Measured (H200, synthetic 0.5B Q4_K_M, one lease, 2026-12-03; base c19ed0a, rounds
+ * alternating): 2333.5, 2341.0, 2334.8 tok/s at 512 keys and 2024.7, 2024.0, 2014.0 at 2560,
+ * against 2272.7, 2290.2, 2284.8 and 1945.2, 1948.4, 1941.6 (+2.3%, +3.9%); QWENCUDA_DOWN_FOLD=0
+ * 2294.1, 2296.6 and 1953.9, 1952.9 (the base's). The layer's 2.9 us of down projection (step
+ * stamps of 25ac1c7) did not all leave with it: a timing-only switch that skipped the slice's dot
+ * products and atomics (wrong sums) gave 2403.4 and 2070.5, so the fold's tail costs about 3% and
+ * the launch it saves about 5%. Measured and not kept: the tail after one warp's quantization and
+ * a second block barrier (the copies waited for there): 2244.9, 2245.4 and 1942.5, 1942.2 against
+ * 2292.5, 2292.7 and 1954.9, 1952.1 (another lease, with the attention launch's registers below
+ * also raised); the sums in four copies (block b adding into copy b % 4, the consumers adding the
+ * four), against atomics contending for one address from 152 blocks: 1, 2 or 4 copies written
+ * were even with each other (2185.4-2202.0 tok/s at 512 keys), and the four loads of each
+ * consumer made the step 4.5% slower than the base in that lease (2282.9-2298.9). */
+template <int T, bool SH, int DT>
 __global__ void __launch_bounds__(QC_SWIGLU_Q8_THREADS, QC_SWIGLU_Q8_BLOCKS_PER_SM)
 qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu, int64_t row_bytes,
                                int64_t rows, int64_t cols, const qc_q8x xq, const float *norm_ss, float eps,
-                               float *__restrict__ act, int8_t *__restrict__ act_qs, float2 *__restrict__ act_ds) {
+                               float *__restrict__ act, int8_t *__restrict__ act_qs, float2 *__restrict__ act_ds,
+                               const uint8_t *__restrict__ slices, int64_t dim, long long *sum, long long *clear,
+                               const qc_l2_ahead ahead) {
+    static_assert(DT == 0 || SH, "the fold copies its slice into shared memory");
     __shared__ float act_s[QC_SWIGLU_ROWS];
+    constexpr int warps = QC_SWIGLU_Q8_THREADS / 32;
+    __shared__ __align__(16) int8_t act_q_s[DT ? warps : 1][QC_SWIGLU_ROWS];   /* a warp's copy of act's block */
+    __shared__ float2 act_d_s[DT ? warps : 1];
     extern __shared__ __align__(16) uint8_t w_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r0 = (int64_t)blockIdx.x * QC_SWIGLU_ROWS;   /* rows is a multiple of QC_SWIGLU_ROWS */
     const int64_t bytes = QC_SWIGLU_ROWS * row_bytes;
     /* SH: the block's gate and up rows copied into shared memory (qc_copy_to_shared), else
-     * asked of L2 */
+     * asked of L2; DT: then its slice of w_down the same way, a copy group of its own */
     const uint8_t *g = Wg + r0 * row_bytes, *u = Wu + r0 * row_bytes;
+    constexpr int64_t eb = DT ? qc_slice_entry_bytes(DT) : 0;
+    const uint8_t *slice = DT ? slices + (int64_t)blockIdx.x * dim * eb : NULL;
     if constexpr (SH) {
         g = qc_copy_to_shared(w_shared, g, bytes);
         u = qc_copy_to_shared(w_shared + qc_shared_copy_bytes(bytes), u, bytes);
+        if constexpr (DT != 0) {
+            qc_copy_commit();
+            slice = qc_copy_to_shared(w_shared + 2 * qc_shared_copy_bytes(bytes), slice, dim * eb);
+            qc_copy_commit();
+        }
     } else {
         qc_prefetch_l2(g, bytes);
         qc_prefetch_l2(u, bytes);
     }
+    qc_l2_ahead_issue(ahead);
     qc_grid_start();
-    if constexpr (SH) qc_copy_wait();
+    if constexpr (SH) {
+        if constexpr (DT != 0) qc_copy_wait_but_last();
+        else qc_copy_wait();
+    }
+    if constexpr (DT != 0) {
+        if (clear && blockIdx.x == 0)
+            for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) clear[i] = 0;
+    }
     const int64_t i = 2 * warp;   /* this warp's rows r0 + i and r0 + i + 1 */
     const int64_t r = r0 + i;
     const uint8_t *const four[4] = {g + i * row_bytes, u + i * row_bytes, g + (i + 1) * row_bytes,
@@ -152,12 +195,25 @@ qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__
 #pragma unroll
         for (int k = 0; k < 4; k++) acc[k] *= scale;
     }
+    /* DT: this thread's copies of the slice (long done: issued before the wait) waited for here,
+     * so that the barrier below also orders them */
+    if constexpr (DT != 0) qc_copy_wait_own();
     if (lane == 0) {
         act_s[2 * warp] = act[r] = qc_silu_mul(acc[0], acc[1]);
         act_s[2 * warp + 1] = act[r + 1] = qc_silu_mul(acc[2], acc[3]);
     }
     __syncthreads();
-    if (warp == 0) qc_q8_quantize_block(act_s[lane], lane, act_qs + r0, act_ds + blockIdx.x);
+    if constexpr (DT == 0) {
+        if (warp == 0) qc_q8_quantize_block(act_s[lane], lane, act_qs + r0, act_ds + blockIdx.x);
+    } else {
+        /* every warp quantizes the block itself (the same bits in each), so that no second block
+         * barrier waits for one warp's */
+        qc_q8_quantize_block(act_s[lane], lane, act_q_s[warp], &act_d_s[warp]);
+        __syncwarp();
+        for (int64_t k = threadIdx.x; k < dim; k += blockDim.x)
+            atomicAdd((unsigned long long *)(sum + k),
+                      qc_sum_of(qc_slice_dot<DT, SH>(slice + k * eb, act_q_s[warp], &act_d_s[warp])));
+    }
 }
 
 /* A gate and an up weight of different types, one row after the other, each with its own GEMV
@@ -239,6 +295,60 @@ static void launch_swiglu_mixed(const qc_weight *w_gate, int gate_q8, const qc_w
 #undef QC_ARGS_
 }
 
+/* The 8-bit x of the 32-row kernel (one token): x's normalised 8-bit form left by the matmul_add
+ * before (norm_next; the scale after the dot products, *norm_ss), else x normalised (norm_w) and
+ * quantized here. */
+static int q8out_input(qc_backend *be, const qc_weight *w_gate, const float *x, const float *norm_of,
+                       const float *norm_w, float eps, qc_q8x *xq, const float **norm_ss) {
+    const qc_cuda *cu = qc_cuda_of(be);
+    *norm_ss = NULL;
+    if (norm_w && norm_of == x && cu->norm_of_w == norm_w && cu->norm_cols == w_gate->cols) {
+        *xq = qc_q8x{(const int8_t *)cu->q8x_norm, qc_q8x_ds_at(cu->q8x_norm, 1, w_gate->cols), w_gate->cols,
+                     w_gate->cols / 32};
+        *norm_ss = cu->norm_ss;
+        return 0;
+    }
+    return norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, xq)
+                  : qc_cuda_quantize_q8(be, x, 1, w_gate->cols, xq);
+}
+
+/* The 32-row kernel's launch: gate and up of type T; DT and w_down: the fold (swiglu_down), or 0. */
+struct qc_fold_args {
+    const uint8_t *slices;
+    int64_t dim;
+    long long *sum, *clear;
+    qc_l2_ahead ahead;
+};
+static size_t q8out_shared(const qc_weight *w_gate, const qc_weight *w_down) {
+    const int64_t rb = qc_row_bytes(w_gate->type, w_gate->cols);
+    size_t bytes = 2 * qc_shared_copy_bytes(QC_SWIGLU_ROWS * rb);
+    if (w_down) bytes += qc_shared_copy_bytes(w_down->rows * qc_slice_entry_bytes(w_down->type));
+    return bytes;
+}
+/* the most shared memory the fold's blocks take: two an SM (228 KB on sm_90) */
+#define QC_FOLD_SHARED_MAX (100u << 10)
+template <int T, int DT>
+static void launch_q8out(const qc_cuda *cu, const qc_weight *w_gate, const qc_weight *w_up, const qc_weight *w_down,
+                         const qc_q8x &xq, const float *norm_ss, float eps, float *act, const qc_fold_args &f) {
+    const int64_t rb = qc_row_bytes_t<T>(w_gate->cols), rows = w_gate->rows;
+    int8_t *act_qs = (int8_t *)cu->q8x_act;
+    float2 *act_ds = qc_q8x_ds_at(cu->q8x_act, 1, rows);
+    const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
+    const dim3 grid32((unsigned)(rows / QC_SWIGLU_ROWS));
+    /* both weights' rows of a block into its shared memory, where they fit (0.5B: 39 KB), and
+     * with the fold its slice (0.5B: 21 or 28 KB more) */
+    const size_t shared = q8out_shared(w_gate, DT ? w_down : NULL);
+#define QC_ARGS_ Wg, Wu, rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds, f.slices, f.dim, f.sum, f.clear, f.ahead
+    if constexpr (DT != 0) {   /* (fold_takes: the copies fit) */
+        qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, true, DT>, grid32, dim3(QC_SWIGLU_Q8_THREADS), shared, QC_ARGS_);
+    } else if (cu->w_shared && shared <= QC_SHARED_COPY_MAX) {
+        qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, true, 0>, grid32, dim3(QC_SWIGLU_Q8_THREADS), shared, QC_ARGS_);
+    } else {
+        qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, false, 0>, grid32, dim3(QC_SWIGLU_Q8_THREADS), 0, QC_ARGS_);
+    }
+#undef QC_ARGS_
+}
+
 int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
                           const float *x, int n, const float *norm_w, float eps, float *act) {
     qc_cuda *cu = qc_cuda_of(be);
@@ -276,45 +386,13 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
      * memory only for a float-GEMV weight. (The norm used to let the 32-row kernel launch before
      * its own wait, report 550e506; since the gate/up rows are read ahead into L2 (read_ahead),
      * it is the o projection that lets the norm launch early instead: matmul.cu, matmul_any.) */
-    qc_q8x xq = {};
-    /* x's normalised 8-bit form left by the matmul_add before (norm_next): the scale after the
-     * dot products, in the 32-row kernel */
-    const float *norm_ss = NULL;
-    if (q8out && norm_w && norm_of == x && cu->norm_of_w == norm_w && cu->norm_cols == w_gate->cols) {
-        xq = qc_q8x{(const int8_t *)cu->q8x_norm, qc_q8x_ds_at(cu->q8x_norm, 1, w_gate->cols), w_gate->cols,
-                    w_gate->cols / 32};
-        norm_ss = cu->norm_ss;
-        norm_w = NULL;
-    } else if (gate_q8 || up_q8) {
-        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq)
-                    : qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq)) < 0)
-            return -1;
-        if (gate_q8 && up_q8) norm_w = NULL;
-    }
-    if (w_gate->type != w_up->type) {
-        launch_swiglu_mixed(w_gate, gate_q8, w_up, up_q8, x, xq, n, norm_w, eps, act, grid, cu);
-        return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");
-    }
     if (q8out) {
+        qc_q8x xq = {};
+        const float *norm_ss = NULL;
+        if (q8out_input(be, w_gate, x, norm_of, norm_w, eps, &xq, &norm_ss) < 0) return -1;
         /* one token: act's 8-bit form too, for the down projection (matmul.cu, x_from_last_op) */
-        const int64_t rb = qc_row_bytes(w_gate->type, w_gate->cols);
-        int8_t *act_qs = (int8_t *)cu->q8x_act;
-        float2 *act_ds = qc_q8x_ds_at(cu->q8x_act, 1, rows);
-        const uint8_t *Wg = (const uint8_t *)w_gate->data, *Wu = (const uint8_t *)w_up->data;
-        const dim3 grid32((unsigned)(rows / QC_SWIGLU_ROWS));
-        /* both weights' rows of a block into its shared memory, where they fit (0.5B: 39 KB) */
-        const size_t shared = 2 * qc_shared_copy_bytes(QC_SWIGLU_ROWS * rb);
-        const bool sh = cu->w_shared && shared <= QC_SHARED_COPY_MAX;
         switch (w_gate->type) {
-#define QC_CASE_(T)                                                                                              \
-    case T:                                                                                                      \
-        if (sh)                                                                                                  \
-            qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, true>, grid32, dim3(QC_SWIGLU_Q8_THREADS), shared, Wg,  \
-                      Wu, rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds);                        \
-        else                                                                                                     \
-            qc_launch(cu, qc_gemv_q8_swiglu_q8out_kernel<T, false>, grid32, dim3(QC_SWIGLU_Q8_THREADS), 0, Wg, Wu, \
-                      rb, rows, w_gate->cols, xq, norm_ss, eps, act, act_qs, act_ds);                            \
-        break;
+#define QC_CASE_(T) case T: launch_q8out<T, 0>(cu, w_gate, w_up, NULL, xq, norm_ss, eps, act, qc_fold_args{}); break;
             QC_CASE_(QC_TYPE_Q4_0) QC_CASE_(QC_TYPE_Q5_0) QC_CASE_(QC_TYPE_Q8_0)
 #undef QC_CASE_
         }
@@ -323,6 +401,17 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
         cu->q8x_cols = rows;
         cu->q8x_of_at = cu->q8x_act;
         return 0;
+    }
+    qc_q8x xq = {};
+    if (gate_q8 || up_q8) {
+        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, w_gate->cols, eps, &xq)
+                    : qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq)) < 0)
+            return -1;
+        if (gate_q8 && up_q8) norm_w = NULL;
+    }
+    if (w_gate->type != w_up->type) {
+        launch_swiglu_mixed(w_gate, gate_q8, w_up, up_q8, x, xq, n, norm_w, eps, act, grid, cu);
+        return QC_LAUNCHED(be, "qc_gemv_swiglu_mixed_kernel");
     }
     if (gate_q8) {
         switch (w_gate->type) {
@@ -338,4 +427,68 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
 #undef QC_CASE_
     }
     return QC_LAUNCHED(be, "qc_gemv_swiglu_kernel");
+}
+
+/* ---- swiglu_down (backend.h): the 32-row kernel with the down projection folded in ----
+ * Taken where the 32-row kernel takes gate and up (one token), w_down is an 8-bit GEMV type with
+ * slices (qc_slices.cuh) of w_gate's rows by w_gate's cols, a block's copies fit two blocks an
+ * SM (QC_FOLD_SHARED_MAX) and are taken (cu->w_shared), and QWENCUDA_DOWN_FOLD is not "0". */
+static int fold_takes(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up, const qc_weight *w_down) {
+    const qc_cuda *cu = qc_cuda_of(be);
+    return cu->down_fold && qc_cuda_gemv_q8(be, w_gate->type, w_gate->cols) && w_gate->rows == w_up->rows &&
+           w_gate->cols <= QC_NORM_FUSE_MAX_COLS &&
+           w_gate->cols == w_up->cols && swiglu_q8out_takes(cu, w_gate, w_up, 1) &&
+           qc_cuda_gemv_q8(be, w_down->type, w_down->cols) && qc_slice_entry_bytes(w_down->type) != 0 &&
+           w_down->cols == w_gate->rows && w_down->rows == w_gate->cols && cu->w_shared &&
+           q8out_shared(w_gate, w_down) <= QC_FOLD_SHARED_MAX;
+}
+
+template <int T, int DT>
+static int fold_allow_shared(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_down) {
+    const size_t shared = q8out_shared(w_gate, w_down);
+    if (shared <= QC_SHARED_COPY_MAX) return 0;
+    return QC_CUDA(be, cudaFuncSetAttribute(qc_gemv_q8_swiglu_q8out_kernel<T, true, DT>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared));
+}
+
+#define QC_FOLD_GATE_TYPES(X, DT) X(QC_TYPE_Q4_0, DT) X(QC_TYPE_Q5_0, DT) X(QC_TYPE_Q8_0, DT)
+#define QC_FOLD_SWITCH(gate_type, down_type, CALL)                                                            \
+    switch (down_type) {                                                                                       \
+    case QC_TYPE_Q4_0: switch (gate_type) { QC_FOLD_GATE_TYPES(CALL, QC_TYPE_Q4_0) } break;                    \
+    case QC_TYPE_Q5_0: switch (gate_type) { QC_FOLD_GATE_TYPES(CALL, QC_TYPE_Q5_0) } break;                    \
+    case QC_TYPE_Q8_0: switch (gate_type) { QC_FOLD_GATE_TYPES(CALL, QC_TYPE_Q8_0) } break;                    \
+    case QC_TYPE_Q4_K: switch (gate_type) { QC_FOLD_GATE_TYPES(CALL, QC_TYPE_Q4_K) } break;                    \
+    case QC_TYPE_Q6_K: switch (gate_type) { QC_FOLD_GATE_TYPES(CALL, QC_TYPE_Q6_K) } break;                    \
+    }
+
+int qc_cuda_swiglu_down_prepare(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up, const qc_weight *w_down) {
+    if (!fold_takes(be, w_gate, w_up, w_down)) return 0;
+    if (qc_cuda_make_down_slices(be, w_down) < 0) return -1;
+    int rc = 0;
+#define QC_CALL_(T, DT) case T: rc = fold_allow_shared<T, DT>(be, w_gate, w_down); break;
+    QC_FOLD_SWITCH(w_gate->type, w_down->type, QC_CALL_)
+#undef QC_CALL_
+    return rc < 0 ? -1 : 1;
+}
+
+int qc_cuda_swiglu_down(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up, const qc_weight *w_down,
+                        const float *x, const float *norm_w, float eps, float *act, int64_t *sum, int64_t *clear) {
+    qc_cuda *cu = qc_cuda_of(be);
+    const float *norm_of = cu->norm_of;
+    cu->norm_of = NULL;
+    const uint8_t *slices = qc_cuda_down_slices(be, w_down);
+    if (!fold_takes(be, w_gate, w_up, w_down) || !slices || !sum || sum == clear) return 0;
+    qc_q8x xq = {};
+    const float *norm_ss = NULL;
+    if (q8out_input(be, w_gate, x, norm_of, norm_w, eps, &xq, &norm_ss) < 0) return -1;
+    /* read_ahead's hint (the next layer's q, k and v) is this call's to issue, as a matmul's */
+    const qc_fold_args f = {slices, w_down->rows, (long long *)sum, (long long *)clear, cu->ahead};
+    cu->ahead_issued = cu->ahead;
+    cu->ahead = qc_l2_ahead{};
+#define QC_CALL_(T, DT) case T: launch_q8out<T, DT>(cu, w_gate, w_up, w_down, xq, norm_ss, eps, act, f); break;
+    QC_FOLD_SWITCH(w_gate->type, w_down->type, QC_CALL_)
+#undef QC_CALL_
+    if (QC_LAUNCHED(be, "qc_gemv_q8_swiglu_q8out_kernel") < 0) return -1;
+    cu->q8x_of = NULL;   /* act's 8-bit form stayed in the blocks */
+    return 1;
 }

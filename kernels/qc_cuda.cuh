@@ -29,6 +29,13 @@ typedef struct qc_l2_ahead {
 #define QC_DRAW_PAIRS 8
 
 /* Backend-private state (be->impl). */
+/* A down projection's slices (qc_slices.cuh, down_slices.cu): of the weight whose device rows are
+ * `of`. */
+typedef struct qc_down_slices {
+    const void *of;
+    void *slices;
+} qc_down_slices;
+
 typedef struct qc_cuda {
     cudaStream_t stream;        /* every op and copy runs on it, in order */
     cublasHandle_t blas;        /* bound to stream */
@@ -169,6 +176,11 @@ typedef struct qc_cuda {
     void *draw_host, *draw_host_dev;                  /* QC_DRAW_PAIRS pairs of qc_sample_result */
     const void *draw_slot_of[QC_DRAW_PAIRS];          /* the result buffer a pair serves, or NULL */
     cudaEvent_t draw_copied[2 * QC_DRAW_PAIRS];
+    /* swiglu_down (backend.h; matmul_swiglu.cu): QWENCUDA_DOWN_FOLD is not "0" at creation (to
+     * compare), and the slices its weights were prepared with (down_slices.cu) */
+    int down_fold;
+    qc_down_slices *slices;
+    int n_slices, cap_slices;
 } qc_cuda;
 #define QC_DEC_SYNC_BARRIER 2
 #define QC_DEC_SYNC_WORDS (QC_DEC_SYNC_BARRIER + 65536 / 32)
@@ -243,6 +255,15 @@ int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *
  * draw, then its finish (matmul.cu). */
 int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
                         float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
+
+/* swiglu_down_prepare and swiglu_down (backend.h; matmul_swiglu.cu), and the slices they read
+ * (down_slices.cu): made once per weight (0 or -1), freed with the weight's rows `data`, or all
+ * where data is NULL. */
+int qc_cuda_swiglu_down_prepare(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up, const qc_weight *w_down);
+int qc_cuda_swiglu_down(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up, const qc_weight *w_down,
+                        const float *x, const float *norm_w, float eps, float *act, int64_t *sum, int64_t *clear);
+int qc_cuda_make_down_slices(qc_backend *be, const qc_weight *w_down);
+void qc_cuda_free_down_slices(qc_cuda *cu, const void *data);
 
 /* The decode_step and decode_step_takes ops of backend.h (decode_step.cu). */
 int qc_cuda_decode_step_takes(qc_backend *be, const qc_decode_plan *plan, int n_kv);
@@ -425,6 +446,28 @@ __host__ __device__ static inline size_t qc_shared_copy_bytes(int64_t bytes) { r
 __device__ __forceinline__ void qc_copy_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+    __syncthreads();
+}
+
+/* Copies in two groups (swiglu_down's gate and up rows, then its slice of w_down): after the
+ * first group's qc_copy_to_shared calls and after the second's, qc_copy_commit; after
+ * qc_grid_start, qc_copy_wait_but_last for the first group (this thread's, then the block's
+ * barrier), and for the second qc_copy_wait, or qc_copy_wait_own (this thread's only) before a
+ * block barrier of the kernel's own. */
+__device__ __forceinline__ void qc_copy_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void qc_copy_wait_own() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void qc_copy_wait_but_last() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
 #endif
     __syncthreads();
 }

@@ -103,6 +103,7 @@
  */
 #include "qc_attention.cuh"
 #include "qc_rope.cuh"
+#include "qc_slices.cuh"
 
 #include <cuda/ptx>
 
@@ -152,6 +153,8 @@ struct qc_qa_w {
 struct qc_qa_params {
     qc_qa_w w[3];                     /* q, k, v */
     const float *x, *norm_w;          /* norm_w NULL: x is normalised already */
+    const long long *x_sum;           /* NULL, or the fixed-point sums to add to x (swiglu_down) */
+    float *x_out;                     /* with x_sum: x plus them, written by block (0, 0) */
     float eps, scale;
     int dim, n_head, n_head_kv, hold;
     double theta;
@@ -218,21 +221,36 @@ __device__ __forceinline__ void qc_qa_norm_w4(const float *norm_w, int b, int la
 #pragma unroll
     for (int k = 0; k < 4; k++) w[k] = norm_w && b < nb ? __ldg(norm_w + 32 * b + 4 * (lane & 7) + k) : 0.0f;
 }
+/* x_sum (or NULL): x's values are x + qc_sum_to_float(x_sum) (a folded down projection,
+ * qc_slices.cuh), the same float in every block; x_out (one block's, with x_sum): where they go. */
+__device__ __forceinline__ float4 qc_qa_x4(const float *x, const long long *x_sum, int i) {
+    float4 v = __ldcg((const float4 *)(x + i));
+    if (x_sum) {
+        const longlong2 a = __ldcg((const longlong2 *)(x_sum + i)), b = __ldcg((const longlong2 *)(x_sum + i + 2));
+        v.x += qc_sum_to_float(a.x);
+        v.y += qc_sum_to_float(a.y);
+        v.z += qc_sum_to_float(b.x);
+        v.w += qc_sum_to_float(b.y);
+    }
+    return v;
+}
 template <int W>
-__device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float *norm_w, const float (&w)[4],
-                                                    int dim, float eps, int8_t *qs, float2 *ds, float *norm_tmp) {
+__device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const long long *x_sum, float *x_out,
+                                                    const float *norm_w, const float (&w)[4], int dim, float eps,
+                                                    int8_t *qs, float2 *ds, float *norm_tmp) {
     constexpr int passes = QC_NORM_FUSE_MAX_COLS / 32 / (4 * W);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = lane & 7, nb = dim / 32;
     /* the first pass's values, loaded beside the sums' */
     const int b_first = qc_qa_norm_block<W>(warp, lane, 0);
-    float4 v = b_first < nb ? __ldcg((const float4 *)(x + 32 * b_first + 4 * sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 v = b_first < nb ? qc_qa_x4(x, x_sum, 32 * b_first + 4 * sub) : make_float4(0.f, 0.f, 0.f, 0.f);
     float scale = 1.0f;
     if (norm_w) {
         if (threadIdx.x < QC_NORM_ROW_THREADS) {
             float ss = 0.0f;
 #pragma unroll 4
             for (int i = threadIdx.x; i < dim; i += QC_NORM_ROW_THREADS) {
-                const float xi = __ldcg(x + i);
+                float xi = __ldcg(x + i);
+                if (x_sum) xi += qc_sum_to_float(__ldcg(x_sum + i));
                 ss = fmaf(xi, xi, ss);
             }
             ss = qc_norm_warp_sum(ss);
@@ -247,9 +265,12 @@ __device__ __forceinline__ void qc_qa_norm_quantize(const float *x, const float 
         if (b0 >= nb) break;   /* whole warps */
         float wp[4] = {w[0], w[1], w[2], w[3]};
         if (p > 0) {
-            v = b < nb ? __ldcg((const float4 *)(x + 32 * b + 4 * sub)) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v = b < nb ? qc_qa_x4(x, x_sum, 32 * b + 4 * sub) : make_float4(0.f, 0.f, 0.f, 0.f);
             qc_qa_norm_w4(norm_w, b, lane, nb, wp);
         }
+        /* (x_out here, not in the sums' loop: a store there, which may alias x, kept each load of
+         * that loop behind the one before) */
+        if (x_out && b < nb) *(float4 *)(x_out + 32 * b + 4 * sub) = v;
         const float a[4] = {v.x, v.y, v.z, v.w};
         float q[4];
 #pragma unroll
@@ -290,7 +311,14 @@ __device__ __forceinline__ void qc_qa_cluster_merge(float *parts, unsigned rank,
 #endif
 }
 
-template <int G, typename KV, int HD, int C>
+/* SUM: x_sum is not NULL (a folded down projection before: swiglu_down, matmul_swiglu.cu): an
+ * instantiation of its own, so that the others keep their registers. Why: with the sums' loads in
+ * the one instantiation, head_dim 64's took 113 registers a thread where it had 110 (ptxas, nvcc
+ * 13), and decode without the fold went 2292.5-2295.9 -> 2211.6 tok/s at 512 keys (H200,
+ * synthetic 0.5B Q4_K_M, one lease, 2026-12-03); on its own, 2294.1-2296.6 against the base's
+ * 2272.7-2290.2 in another lease. Registers are given a warp in steps of 8 a thread, so 113 takes
+ * 120 (read off the figures, not stamped: fewer of these blocks then fit beside the ones before). */
+template <int G, typename KV, int HD, int C, bool SUM>
 __global__ void __launch_bounds__(qc_qa_shape<C>::threads, qc_qa_shape<C>::min_blocks)
 qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -380,7 +408,8 @@ qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
     }
 
     /* 2. x normalised and quantized, in every block */
-    qc_qa_norm_quantize<S::warps>(P.x, P.norm_w, norm_w, P.dim, P.eps, xs_qs, xs_ds, norm_tmp);
+    qc_qa_norm_quantize<S::warps>(P.x, SUM ? P.x_sum : NULL, SUM && h == 0 && rank == 0 ? P.x_out : NULL, P.norm_w,
+                                  norm_w, P.dim, P.eps, xs_qs, xs_ds, norm_tmp);
     const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};
 
     /* 3. the rows: both of a pair in one loop (qc_gemv_q8_row2: each row qc_gemv_q8_row_slice's
@@ -477,8 +506,13 @@ template <typename KV, int C>
 static void launch(const qc_cuda *cu, const qc_qa_params &p, int head_dim, size_t smem) {
     const dim3 grid((unsigned)p.n_head, C, 1), block(qc_qa_shape<C>::threads), cluster(1, C, 1);
     constexpr int G64 = qc_att_group_lanes(64), G128 = qc_att_group_lanes(128);
-    if (head_dim == 64) qc_launch_ex(cu, qc_qkv_attention_kernel<G64, KV, 64, C>, grid, block, smem, cluster, p);
-    else qc_launch_ex(cu, qc_qkv_attention_kernel<G128, KV, 128, C>, grid, block, smem, cluster, p);
+    if (p.x_sum) {
+        if (head_dim == 64) qc_launch_ex(cu, qc_qkv_attention_kernel<G64, KV, 64, C, true>, grid, block, smem, cluster, p);
+        else qc_launch_ex(cu, qc_qkv_attention_kernel<G128, KV, 128, C, true>, grid, block, smem, cluster, p);
+    } else {
+        if (head_dim == 64) qc_launch_ex(cu, qc_qkv_attention_kernel<G64, KV, 64, C, false>, grid, block, smem, cluster, p);
+        else qc_launch_ex(cu, qc_qkv_attention_kernel<G128, KV, 128, C, false>, grid, block, smem, cluster, p);
+    }
 }
 
 /* How many clusters of C blocks of qc_qkv_attention_kernel<G, KV, HD, C> the GPU holds at once
@@ -487,13 +521,18 @@ static void launch(const qc_cuda *cu, const qc_qa_params &p, int head_dim, size_
  * x the launch takes. */
 template <int G, typename KV, int HD, int C>
 static void qa_most_clusters(int *most) {
-    void (*kernel)(const qc_qa_params) = qc_qkv_attention_kernel<G, KV, HD, C>;
+    void (*kernel)(const qc_qa_params) = qc_qkv_attention_kernel<G, KV, HD, C, false>;
     *most = 0;
+    /* (the SUM instantiation is launched in the same clusters: its attribute too; its registers may
+     * be more, so its count is the one taken) */
     if (C > QC_ATT_CLUSTER &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+        (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess ||
+         cudaFuncSetAttribute(qc_qkv_attention_kernel<G, KV, HD, C, true>, cudaFuncAttributeNonPortableClusterSizeAllowed,
+                              1) != cudaSuccess)) {
         cudaGetLastError();
         return;
     }
+    kernel = qc_qkv_attention_kernel<G, KV, HD, C, true>;
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = 1;
@@ -533,9 +572,16 @@ void qc_cuda_qkv_attention_init(qc_backend *be) {
 
 int qc_cuda_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,
                           float eps, const int32_t *pos, int n_kv, int n_head, int n_head_kv, int head_dim,
-                          float theta, qc_kv_cache cache, float *out) {
+                          float theta, qc_kv_cache cache, float *out, const int64_t *x_sum, float *x_out) {
     qc_cuda *cu = qc_cuda_of(be);
+    if (x_sum && (n != 1 || !norm_w || !x_out || x_out == x))
+        return qc_cuda_value_error(be, "qkv_attention: x_sum takes one token, a norm and an x_out apart from x");
     if (!qa_takes(be, qkv, n, n_kv, n_head, n_head_kv, head_dim, cache)) {
+        /* x + the sums first, by a launch of their own */
+        if (x_sum) {
+            if (qc_cuda_sum_add(be, x, x_sum, qkv[0].w->cols, x_out) < 0) return -1;
+            x = x_out;
+        }
         if (qc_cuda_matmul_qkv_rope(be, qkv, x, n, norm_w, eps, pos, n_head, n_head_kv, head_dim, theta, cache) < 0)
             return -1;
         return qc_cuda_attention(be, qkv[0].out, cache, pos, n, n_kv, n_head, n_head_kv, head_dim, out, NULL, NULL);
@@ -546,6 +592,8 @@ int qc_cuda_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float
         p.w[i] = qc_qa_w{(const uint8_t *)qkv[i].w->data, qkv[i].bias, qkv[i].out, qc_row_bytes(qkv[i].w->type, dim),
                          qkv[i].w->type};
     p.x = x;
+    p.x_sum = (const long long *)x_sum;
+    p.x_out = x_out;
     p.norm_w = norm_w;
     p.eps = eps;
     p.scale = 1.0f / sqrtf((float)head_dim);

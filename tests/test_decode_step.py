@@ -10,7 +10,10 @@ then follow. Session.last_path says which path ran, so a test cannot pass by com
 op-by-op step with itself. The sessions compared run with QWENCUDA_NORM_AFTER=0: the kernel
 normalises x before the gate/up dot products, as the op-by-op step does without the o projection's
 hand-off (matmul_add's norm_next, which applies the norm's scale after them and may round
-differently: tests/test_kernels.py, test_matmul_add_swiglu). Needs the GPU machine.
+differently: tests/test_kernels.py, test_matmul_add_swiglu), and their models' backends with
+QWENCUDA_DOWN_FOLD=0: the kernel runs the down projection as the op-by-op step's matmul_add does,
+not folded into the gate/up op (swiglu_down, whose sums add in another order:
+tests/test_swiglu_down.py). Needs the GPU machine.
 """
 import os
 
@@ -24,6 +27,11 @@ from qwencuda import testing
 pytestmark = pytest.mark.gpu
 
 Q8_TYPES = ["q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "q4_k_m"]
+
+
+@pytest.fixture(autouse=True)
+def _unfolded(monkeypatch):
+    monkeypatch.setenv("QWENCUDA_DOWN_FOLD", "0")
 
 
 @pytest.fixture(scope="module")

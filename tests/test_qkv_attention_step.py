@@ -102,8 +102,8 @@ def test_both_cluster_sizes(tmp_path, monkeypatch, config, weight_type, cluster)
         np.testing.assert_array_equal(with_launch, two_ops)
     other = "16" if cluster == "8" else "8"
     kernel = _KERNEL_OF[config]
-    assert _launch_ran(path, monkeypatch, ids, 6, kernel + cluster + ">", cluster) in (True, None)
-    assert _launch_ran(path, monkeypatch, ids, 6, kernel + other + ">", cluster) in (False, None)
+    assert _launch_ran(path, monkeypatch, ids, 6, kernel + cluster + ", ", cluster) in (True, None)
+    assert _launch_ran(path, monkeypatch, ids, 6, kernel + other + ", ", cluster) in (False, None)
 
 
 # x's norm in the one launch quantizes four blocks of 32 a warp, 4 * 16 a pass in blocks of 16 warps

@@ -473,7 +473,9 @@ int qc_cpu_matmul_qkv_rope(qc_backend *be, const qc_matmul_part *qkv, const floa
 /* matmul_qkv_rope, then attention (the composite of backend.h) */
 int qc_cpu_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,
                          float eps, const int32_t *pos, int n_kv, int n_head, int n_head_kv, int head_dim,
-                         float theta, qc_kv_cache cache, float *out) {
+                         float theta, qc_kv_cache cache, float *out, const int64_t *x_sum, float *x_out) {
+    (void)x_out;
+    if (x_sum) return qc_fail(&be->err, QC_ERR_VALUE, "qkv_attention: x_sum comes only from swiglu_down, which the CPU has not");
     if (be->ops->matmul_qkv_rope(be, qkv, x, n, norm_w, eps, pos, n_head, n_head_kv, head_dim, theta, cache) < 0)
         return -1;
     return be->ops->attention(be, qkv[0].out, cache, pos, n, n_kv, n_head, n_head_kv, head_dim, out, NULL, NULL);

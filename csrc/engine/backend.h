@@ -173,10 +173,18 @@ typedef int qc_op_matmul_qkv_rope(qc_backend *be, const qc_matmul_part *qkv, con
  * norm, q, k, v, RoPE, the cache write and the attention as one op, so that a backend may run them
  * in one pass (CUDA, one token: each query head's cluster of blocks computes the rows it needs,
  * qkv_attention.cu). q, k, v and the caches hold what matmul_qkv_rope leaves; out what attention
- * writes, bit for bit. */
+ * writes, bit for bit.
+ * x_sum: NULL, or (one token, norm_w given) the fixed-point sums that swiglu_down (below) left for
+ * this op: its input is then x + qc_sum_value(x_sum) (the residual stream after the down
+ * projection), which it also writes to x_out (not x: x is read while it runs). */
 typedef int qc_op_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n,
                                 const float *norm_w, float eps, const int32_t *pos, int n_kv, int n_head,
-                                int n_head_kv, int head_dim, float theta, qc_kv_cache cache, float *out);
+                                int n_head_kv, int head_dim, float theta, qc_kv_cache cache, float *out,
+                                const int64_t *x_sum, float *x_out);
+
+/* The fixed-point sums of swiglu_down: a value v is held as round(v * 2^32) in a 64-bit integer,
+ * so that sums added in any order (integer atomics) come out the same at every run. */
+static inline float qc_sum_value(int64_t s) { return (float)s * (1.0f / 4294967296.0f); }
 
 /* Every op above, in table order. From this one list come the members of qc_backend_ops and
  * each backend's declarations and table (cpu_backend.h/.c, qc_cuda.cuh, cuda_backend.cu): a
@@ -282,6 +290,21 @@ typedef struct qc_backend_ops {
      * session asks once per bucket. */
     int (*decode_step_takes)(qc_backend *be, const qc_decode_plan *plan, int n_kv);
     int (*decode_step)(qc_backend *be, const qc_decode_plan *plan);
+
+    /* ---- optional (NULL where unsupported): the down projection inside the gate/up op ----
+     * swiglu_down: matmul_swiglu of one token (norm_w as there), then act @ w_down^T, not added
+     * to x but into sum (w_down->rows 64-bit fixed-point values, qc_sum_value) that must hold
+     * zeros; and clear (another such buffer, or NULL) set to zeros, once every op before has
+     * finished with it. The next op that reads x takes x + sum (qkv_attention's x_sum): the layer's
+     * down projection then costs no op and no wait of its own. The sums differ from matmul_add's
+     * float ones only in the order of their additions (and a rounding at 2^-32).
+     * swiglu_down_prepare, outside any recording (it may allocate and launch): 1 where
+     * swiglu_down takes these weights (then it never declines them), 0 where it does not, -1 on
+     * error. */
+    int (*swiglu_down_prepare)(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
+                               const qc_weight *w_down);
+    int (*swiglu_down)(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up, const qc_weight *w_down,
+                       const float *x, const float *norm_w, float eps, float *act, int64_t *sum, int64_t *clear);
 
     /* ---- optional (NULL where unsupported): weights to read ahead ----
      * read_ahead names the n (<= QC_READ_AHEAD_MAX) weights of an op after the next one; the next

@@ -176,6 +176,17 @@ struct qc_session {
     int *slot;                /* [CAP_N_GLOBAL + n_layer * L_N_NAMES], all -1 unless marked */
     char *patched;            /* [same]: 1 where this eval's patch names the tensor */
     int slots_marked;         /* the last eval captured or patched: slot[], patched[] need clearing */
+    /* the down projection folded into the gate/up op (backend.h's swiglu_down) in a decode step
+     * that captures and patches nothing (eval_plan's fold_down): fold[l] where the backend took
+     * layer l's weights at creation (never the last layer's, whose x goes to the head; none
+     * unless two layers or more), and their fixed-point sums, a row of dim a layer, in backend
+     * memory. A folded layer adds into its row and clears the row of the folded layer before it
+     * (fold_before: cyclically, so the first clears the last's of the step before), whose sums
+     * the layer after that one has read: between evals every row is zero but the last folded
+     * layer's. Steps that do not fold leave the rows alone. */
+    unsigned char *fold;      /* [n_layer] */
+    int n_fold;
+    int64_t *fold_sums;       /* (n_layer, dim) */
 };
 
 /* What one eval does, decided once before any work. */
@@ -197,6 +208,8 @@ typedef struct {
     int n_patched;
     int n_attn_q;             /* query rows of the captured attn_scores / attn_probs */
     int head_block;           /* lm_head rows computed at once: QC_HEAD_ROWS, or all when patched */
+    int fold_down;            /* one token, nothing captured or patched: the layers of s->fold fold
+                                 their down projection (swiglu_down) */
 } eval_plan;
 
 /* ---------------------------------------------------------------------------------------- */
@@ -853,6 +866,48 @@ static void decode_plan_buffers(qc_session *s) {
     s->dec.logits = s->logits;
 }
 
+/* Which layers fold their down projection (qc_session's fold), asked of the backend once, and
+ * their sums, zeros. */
+static int fold_plan(qc_session *s, qc_error *err) {
+    const qc_model *m = s->m;
+    const qc_config *c = &m->cfg;
+    qc_backend *be = s->be;
+    const int n_layer = (int)c->n_layer;
+    s->n_fold = 0;
+    if (!be->ops->swiglu_down_prepare || !be->ops->swiglu_down || s->no_fusion || n_layer < 3) return 0;
+    s->fold = calloc((size_t)n_layer, 1);
+    if (s->fold == NULL) return qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
+    for (int l = 0; l + 1 < n_layer; l++) {
+        const qc_layer *L = &m->layers[l];
+        const int rc = be->ops->swiglu_down_prepare(be, &L->w_gate, &L->w_up, &L->w_down);
+        if (rc < 0) return qc_fail(err, be->err.kind, "%s", be->err.msg);
+        s->fold[l] = rc == 1;
+        s->n_fold += rc == 1;
+    }
+    if (s->n_fold < 2) {   /* a folded layer clears another's sums */
+        memset(s->fold, 0, (size_t)n_layer);
+        s->n_fold = 0;
+        return 0;
+    }
+    const size_t bytes = (size_t)n_layer * (size_t)c->dim * sizeof(int64_t);
+    void *zeros = calloc(1, bytes);
+    if (zeros == NULL) return qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
+    int rc = buf_alloc(be, bytes, &s->fold_sums, err);
+    if (rc == 0 && be->ops->upload(be, s->fold_sums, zeros, bytes) < 0) rc = qc_fail(err, be->err.kind, "%s", be->err.msg);
+    free(zeros);
+    return rc;
+}
+
+static int64_t *fold_sum(const qc_session *s, int l) { return s->fold_sums + (size_t)l * (size_t)s->m->cfg.dim; }
+
+/* The folded layer before l, cyclically (qc_session's fold). */
+static int fold_before(const qc_session *s, int l) {
+    const int n_layer = (int)s->m->cfg.n_layer;
+    for (int k = 1; k < n_layer; k++)
+        if (s->fold[(l - k + n_layer) % n_layer]) return (l - k + n_layer) % n_layer;
+    return l;   /* unreachable: n_fold >= 2 */
+}
+
 int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, qc_error *err) {
     qc_session *s = NULL;
     const qc_config *c = &m->cfg;
@@ -910,6 +965,7 @@ int qc_session_create(qc_model *m, int max_ctx, int kv_type, qc_session **out, q
         }
     }
     decode_plan_build(s);
+    if (fold_plan(s, err) < 0) goto fail;
     if (ensure_rows(s, max_ctx < QC_INITIAL_ROWS ? max_ctx : QC_INITIAL_ROWS, err) < 0 ||
         ensure_logit_rows(s, 1, err) < 0)
         goto fail;
@@ -941,6 +997,8 @@ void qc_session_free(qc_session *s) {
     free(s->dec_layers);
     free(s->slot);
     free(s->patched);
+    buf_free(be, &s->fold_sums);
+    free(s->fold);
     free(s);
 }
 
@@ -1156,6 +1214,13 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     const int fuse_gate_up = fuse && !layer_wants(s, l, L_GATE) && !layer_wants(s, l, L_UP);
     const int fuse_ffn_norm = fuse_gate_up && !layer_wants(s, l, L_FFN_NORM);
     const int fuse_down = fuse && !layer_wants(s, l, L_FFN_OUT);
+    /* the layer before folded its down projection (below): its output is sums that the attention
+     * op adds to x, leaving x + them in y for the o projection's residual */
+    const int64_t *x_sum = p->fold_down && l > 0 && s->fold[l - 1] ? fold_sum(s, l - 1) : NULL;
+    if (x_sum && !(fuse_attention && fuse_attn_norm && fuse_o)) {
+        qc_fail(err, QC_ERR_VALUE, "layer %d: a folded step must fuse its attention", l);   /* (fold_down: never) */
+        goto fail;
+    }
 
     /* attention RMSNorm: xn = x / rms(x) * attn_norm (folded into q/k/v when fused) */
     if (!fuse_attn_norm) {
@@ -1172,7 +1237,7 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     const float *qkv_x = fuse_attn_norm ? sc->x : sc->xn, *qkv_norm = fuse_attn_norm ? L->attn_norm : NULL;
     if (fuse_rope) {
         OP(fuse_attention ? op->qkv_attention(be, qkv, qkv_x, nc, qkv_norm, eps, sc->pos, n_kv, n_head, n_head_kv, hd,
-                                              c->rope_theta, s->kv[l], sc->att)
+                                              c->rope_theta, s->kv[l], sc->att, x_sum, sc->y)
                           : op->matmul_qkv_rope(be, qkv, qkv_x, nc, qkv_norm, eps, sc->pos, n_head, n_head_kv, hd,
                                                 c->rope_theta, s->kv[l]));
         CAPTURE(observe_layer(s, p, l, L_V, sc->v, c0, nc, kv_dim, err));
@@ -1213,14 +1278,15 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
                                      !layer_patched(s, l, L_ATTN_OUT);
         /* while it waits for att, the projection's blocks ask the cache for gate and up (a hint) */
         if (op->read_ahead) {
-            const qc_weight *const ahead[2] = {&L->w_gate, &L->w_up};
-            OP(op->read_ahead(be, ahead, 2));
+            /* (and, folded, the down projection: the gate/up op reads it) */
+            const qc_weight *const ahead[3] = {&L->w_gate, &L->w_up, &L->w_down};
+            OP(op->read_ahead(be, ahead, p->fold_down && s->fold[l] ? 3 : 2));
         }
         /* and the feed-forward norm, which the gate/up op applies to x next: a backend may
          * leave x's normalised 8-bit form for it (unless a patch of resid_mid comes between) */
         const float *norm_next =
             fuse_ffn_norm && !s->no_norm_next && !layer_patched(s, l, L_RESID_MID) ? L->ffn_norm : NULL;
-        OP(op->matmul_add(be, &L->wo, sc->att, nc, sc->x, sc->x, att_from_last_op, norm_next));
+        OP(op->matmul_add(be, &L->wo, sc->att, nc, x_sum ? sc->y : sc->x, sc->x, att_from_last_op, norm_next));
     } else {
         OP(op->matmul(be, &L->wo, NULL, sc->att, nc, sc->y));
         CAPTURE(observe_layer(s, p, l, L_ATTN_PROJ, sc->y, c0, nc, dim, err));
@@ -1232,6 +1298,24 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     if (!fuse_ffn_norm) {
         OP(op->rmsnorm(be, sc->x, L->ffn_norm, nc, dim, eps, sc->xn));
         CAPTURE(observe_layer(s, p, l, L_FFN_NORM, sc->xn, c0, nc, dim, err));
+    }
+
+    /* folded (a decode step that captures nothing): gate, up, act and the down projection in one
+     * op, whose output, sums, the next layer's attention op adds to x (x_sum above) */
+    if (p->fold_down && s->fold[l]) {
+        if (op->read_ahead) {
+            const qc_layer *next = &m->layers[l + 1];
+            const qc_weight *const ahead[3] = {&next->wq, &next->wk, &next->wv};
+            OP(op->read_ahead(be, ahead, 3));
+        }
+        const int rc = op->swiglu_down(be, &L->w_gate, &L->w_up, &L->w_down, sc->x, L->ffn_norm, eps, sc->act,
+                                       fold_sum(s, l), fold_sum(s, fold_before(s, l)));
+        if (rc < 0) goto backend_fail;
+        if (rc == 0) {
+            qc_fail(err, QC_ERR_VALUE, "layer %d: swiglu_down declined the weights it took at creation", l);
+            goto fail;
+        }
+        return 0;   /* (nothing to capture in a folded step) */
     }
 
     /* gate and up projections, act = silu(gate) * up */
@@ -1494,6 +1578,7 @@ int qc_session_eval(qc_session *s, const qc_eval_request *req, qc_eval_result *r
     const int replayable = p->n == 1 && p->n_captured == 0 && p->n_patched == 0 && p->want_head && op->replay &&
                            !s->no_graphs && !s->record_failed;
     p->defer_download = replayable;
+    p->fold_down = p->n == 1 && p->n_captured == 0 && p->n_patched == 0 && s->n_fold >= 2;
     p->do_argmax = (replayable && !p->do_sample) || req->want_logits || s->slot[CAP_ARGMAX] >= 0;
     p->head_draw = p->do_sample && !p->do_argmax && !s->patched[CAP_LOGITS] && op->matmul_draw &&
                    qc_sample_plain_greedy(req->sample);

@@ -629,7 +629,7 @@ static int op_matmul_qkv_rope(qc_backend *be, void *p) {
     qc_kv_cache cache = {a->k_cache.dev, a->v_cache.dev, a->kv_type};
     if (a->n_kv > 0)
         return be->ops->qkv_attention(be, parts, m->x.dev, m->n, m->norm.dev, m->eps, a->pos.dev, a->n_kv, a->n_head,
-                                      a->n_head_kv, a->head_dim, a->theta, cache, a->att.dev);
+                                      a->n_head_kv, a->head_dim, a->theta, cache, a->att.dev, NULL, NULL);
     return be->ops->matmul_qkv_rope(be, parts, m->x.dev, m->n, m->norm.dev, m->eps, a->pos.dev, a->n_head,
                                     a->n_head_kv, a->head_dim, a->theta, cache);
 }
