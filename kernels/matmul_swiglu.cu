@@ -445,8 +445,9 @@ static int fold_takes(qc_backend *be, const qc_weight *w_gate, const qc_weight *
 
 template <int T, int DT>
 static int fold_allow_shared(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_down) {
+    /* (also at 48 KB or less: the kernel's own shared arrays come on top of it; Q4_0 gate, up and
+     * down at 0.5B take 48480 bytes of copies, and their launch failed without this) */
     const size_t shared = q8out_shared(w_gate, w_down);
-    if (shared <= QC_SHARED_COPY_MAX) return 0;
     return QC_CUDA(be, cudaFuncSetAttribute(qc_gemv_q8_swiglu_q8out_kernel<T, true, DT>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared));
 }

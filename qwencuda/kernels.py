@@ -42,7 +42,7 @@ from . import _core
 __all__ = [
     "Weight", "embed", "dequantize", "rmsnorm", "matmul", "rope", "kv_store", "attention",
     "swiglu", "add", "argmax", "sample", "matmul_add", "matmul_add_swiglu", "matmul_multi", "matmul_swiglu",
-    "rope_kv_store", "matmul_qkv_rope", "qkv_attention", "release", "cuda_mem_info", "cuda_device_info",
+    "swiglu_down", "rope_kv_store", "matmul_qkv_rope", "qkv_attention", "release", "cuda_mem_info", "cuda_device_info",
     "time_matmul", "GEMV_MAX_TOKENS", "MATMUL_MULTI_MAX",
 ]
 
@@ -447,6 +447,23 @@ def matmul_add_swiglu(weight, x, residual, w_gate, w_up, norm, eps=1e-6, device=
                                               residual.reshape(-1, rows), g._arg(), u._arg(),
                                               _norm_arg(norm, rows, "matmul_add_swiglu"), float(eps))
     return out.reshape(residual.shape), act.reshape(*x.shape[:-1], g.shape[0])
+
+
+def swiglu_down(w_gate, w_up, w_down, x, norm=None, eps=1e-6, device="cuda"):
+    """The gate/up op of one token with the down projection folded in, as a decode step that
+    captures nothing runs it on CUDA (backend.h's swiglu_down; kernels/matmul_swiglu.cu): returns
+    (act, down), act = matmul_swiglu(w_gate, w_up, x, norm=norm) (rows,) and down = act @ w_down.T
+    (cols,) as the fold adds it up: each block of 32 act values, in 8 bits, times its 32 columns of
+    w_down, added in 64-bit fixed point (2^-32) and converted to float32 once. x (cols,) or
+    (1, cols). Only where the backend folds these weights (CUDA: gate and up of one of Q4_0, Q5_0,
+    Q8_0, a down weight with the 8-bit GEMV, QWENCUDA_DOWN_FOLD not 0 when the kernels' backend was
+    made); elsewhere ValueError."""
+    g, u, d = _weight(w_gate), _weight(w_up), _weight(w_down)
+    rows, cols = g.shape
+    x = _matmul_x(x, cols, "swiglu_down")
+    act, sums = _core.kernel_swiglu_down(_device(device), g._arg(), u._arg(), d._arg(), x.reshape(-1, cols),
+                                         _norm_arg(norm, cols, "swiglu_down"), float(eps))
+    return act.reshape(rows), sums.astype(np.float32) * np.float32(2.0 ** -32)
 
 
 def rope_kv_store(q, k, v, pos, k_cache, v_cache, theta=1e6, device="cpu"):

@@ -20,16 +20,21 @@ Tolerances, and why:
     with the sums' add launch against the one launch): equal bit for bit. The sums are integers,
     whatever order the atomics land in, and the two ways of adding them to x compute the same
     floats.
-Needs the GPU machine."""
+The kernel on NumPy inputs (qwencuda.kernels.swiglu_down): act equal to matmul_swiglu's bit for
+bit (the same kernel and quantization), and the down projection within 1e-5 of the sum of its
+terms' magnitudes of matmul's (each of its float additions rounds by at most 2^-24 of such a sum:
+about 152 of them at 0.5B) plus the fixed point's 2^-33 a block. All but the last test need the GPU
+machine."""
 import re
 
 import numpy as np
 import pytest
 
 import qwencuda as qc
+from qwencuda import kernels as K
 from qwencuda import testing
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 TOL = 1e-3        # the median step (no quant rounded the other way)
 ROUNDED = 2e-2    # any step (a quant or two of a later layer's 8-bit x rounded the other way)
@@ -105,6 +110,7 @@ def _write(tmp_path, shape, weight_type):
     return path
 
 
+@gpu
 @pytest.mark.parametrize("weight_type", TYPES)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_folded_steps_match_unfolded(tmp_path, monkeypatch, shape, weight_type):
@@ -113,6 +119,7 @@ def test_folded_steps_match_unfolded(tmp_path, monkeypatch, shape, weight_type):
     _close_steps(_single_steps(path, monkeypatch, True, ids, 10), _single_steps(path, monkeypatch, False, ids, 10))
 
 
+@gpu
 @pytest.mark.parametrize("weight_type", TYPES)
 def test_folded_steps_are_the_same_bits_every_way(tmp_path, monkeypatch, weight_type):
     """Two models, recorded and eager steps, and the attention op's fallback (QWENCUDA_QKV_ATTENTION=0:
@@ -125,6 +132,7 @@ def test_folded_steps_are_the_same_bits_every_way(tmp_path, monkeypatch, weight_
     np.testing.assert_array_equal(_steps(path, monkeypatch, True, ids, 5, QWENCUDA_QKV_ATTENTION="0"), ref)
 
 
+@gpu
 def test_fold_runs_in_plain_steps_only(tmp_path, monkeypatch):
     """A plain decode step runs the folded kernel once for every layer but the last; a step that
     captures runs none (the op-by-op path, exact captures). Without torch's profiler: skipped."""
@@ -143,6 +151,7 @@ def test_fold_runs_in_plain_steps_only(tmp_path, monkeypatch):
             assert folded_launches(lambda: s.step(6, capture=["blk.0.ffn_out"])) == 0
 
 
+@gpu
 @pytest.mark.parametrize("graphs", [True, False])
 def test_steps_that_capture_between_folded_ones(tmp_path, monkeypatch, graphs):
     """Folded steps among steps that capture or patch (op by op: they leave the sums alone), a
@@ -172,6 +181,7 @@ def test_steps_that_capture_between_folded_ones(tmp_path, monkeypatch, graphs):
     _close_steps(folded, _single_steps(path, monkeypatch, False, ids, 8))
 
 
+@gpu
 def test_long_context_fallback_adds_the_sums(tmp_path, monkeypatch):
     """Past QC_KV_SHORT keys the attention op takes flash decode, not its one launch: it adds the
     sums by a launch of their own first; the logits of the unfolded steps."""
@@ -179,3 +189,62 @@ def test_long_context_fallback_adds_the_sums(tmp_path, monkeypatch):
     ids = np.random.default_rng(8).integers(0, 400, size=3096)
     _close_steps(_single_steps(path, monkeypatch, True, ids, 3090, max_context=3200),
                  _single_steps(path, monkeypatch, False, ids, 3090, max_context=3200))
+
+
+FFN_TYPES = [("Q5_0", "Q4_K"), ("Q5_0", "Q6_K"), ("Q8_0", "Q8_0"), ("Q4_0", "Q4_0"), ("Q8_0", "Q5_0")]
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(512, 224), (4864, 896)])
+@pytest.mark.parametrize("gate_type,down_type", FFN_TYPES)
+def test_kernel_matches_matmul_swiglu_then_matmul(shape, gate_type, down_type):
+    ffn, dim = shape
+    rng = np.random.default_rng(ffn + dim)
+    wg, wu = (K.Weight.from_float(rng.standard_normal((ffn, dim)).astype(np.float32) * 0.1, gate_type) for _ in range(2))
+    wd = K.Weight.from_float(rng.standard_normal((dim, ffn)).astype(np.float32) * 0.1, down_type)
+    x = rng.standard_normal(dim).astype(np.float32)
+    norm = (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+    act, down = K.swiglu_down(wg, wu, wd, x, norm=norm, device="cuda")
+    want_act = K.matmul_swiglu(wg, wu, x[None], norm=norm, device="cuda")[0]
+    np.testing.assert_array_equal(act, want_act)
+    want = K.matmul(wd, act[None], device="cuda")[0]
+    terms = np.abs(act.astype(np.float64)) @ np.abs(K.dequantize(wd).astype(np.float64)).T
+    bound = 1e-5 * terms + (ffn // 32) * 2.0 ** -33
+    err = np.abs(down.astype(np.float64) - want)
+    assert (err <= bound).all(), f"max error {err.max():.3g}, its bound {bound[err.argmax()]:.3g}"
+    assert np.abs(down).max() > 0   # (sums that never came back would be zeros, within any bound here)
+
+
+@gpu
+def test_kernel_switched_off_raises(monkeypatch):
+    rng = np.random.default_rng(3)
+    wg, wu = (K.Weight.from_float(rng.standard_normal((512, 224)).astype(np.float32), "Q5_0") for _ in range(2))
+    wd = K.Weight.from_float(rng.standard_normal((224, 512)).astype(np.float32), "Q4_K")
+    x = rng.standard_normal(224).astype(np.float32)
+    monkeypatch.setenv("QWENCUDA_DOWN_FOLD", "0")
+    K.release("cuda")   # the kernels' backend is made again, reading the switch
+    try:
+        with pytest.raises(ValueError, match="does not fold"):
+            K.swiglu_down(wg, wu, wd, x, device="cuda")
+    finally:
+        monkeypatch.delenv("QWENCUDA_DOWN_FOLD")
+        K.release("cuda")
+    with pytest.raises(ValueError, match="does not fold"):   # gate and up of a 256-element type
+        K.swiglu_down(K.Weight.from_float(rng.standard_normal((512, 256)).astype(np.float32), "Q4_K"),
+                      K.Weight.from_float(rng.standard_normal((512, 256)).astype(np.float32), "Q4_K"),
+                      K.Weight.from_float(rng.standard_normal((256, 512)).astype(np.float32), "Q4_K"),
+                      rng.standard_normal(256).astype(np.float32), device="cuda")
+
+
+def test_kernel_refuses_what_it_cannot_fold():
+    """The CPU backend has no fold; bad shapes and more than one token are refused before any work."""
+    rng = np.random.default_rng(4)
+    wg, wu = (K.Weight.from_float(rng.standard_normal((64, 32)).astype(np.float32), "Q8_0") for _ in range(2))
+    wd = K.Weight.from_float(rng.standard_normal((32, 64)).astype(np.float32), "Q8_0")
+    x = rng.standard_normal(32).astype(np.float32)
+    with pytest.raises(ValueError, match="does not fold"):
+        K.swiglu_down(wg, wu, wd, x, device="cpu")
+    with pytest.raises(ValueError, match="feed-forward block"):
+        K.swiglu_down(wg, wu, wg, x, device="cpu")
+    with pytest.raises(ValueError, match="one token"):
+        K.swiglu_down(wg, wu, wd, np.stack([x, x]), device="cpu")

@@ -816,6 +816,71 @@ done:
     return res;
 }
 
+/* swiglu_down (backend.h): the gate/up op of one token with the down projection folded in; its
+ * sums come back as they are (64-bit fixed point, qwencuda/kernels.py converts them). */
+typedef struct {
+    const qc_weight *gate, *up, *down;
+    job_array x, norm, act, sum;
+    float eps;
+} swiglu_down_args;
+
+static int op_swiglu_down(qc_backend *be, void *p) {
+    swiglu_down_args *a = p;
+    const int takes = be->ops->swiglu_down_prepare ? be->ops->swiglu_down_prepare(be, a->gate, a->up, a->down) : 0;
+    if (takes < 0) return -1;
+    const int rc = takes ? be->ops->swiglu_down(be, a->gate, a->up, a->down, a->x.dev, a->norm.dev, a->eps, a->act.dev,
+                                                (int64_t *)a->sum.dev, NULL)
+                         : 0;
+    if (rc < 0) return -1;
+    if (rc == 0)
+        return qc_fail(&be->err, QC_ERR_VALUE, "swiglu_down: the %s backend does not fold these weights (CUDA: gate "
+                       "and up of one 32-element 8-bit type, a down weight with the 8-bit GEMV, QWENCUDA_DOWN_FOLD "
+                       "not 0)", be->name);
+    return 0;
+}
+
+static PyObject *kernel_swiglu_down(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *device;
+    PyObject *gobj, *uobj, *dobj, *xobj, *nobj, *res = NULL;
+    float eps;
+    held h = {0};
+    qc_weight *wg, *wu, *wd;
+    cached_backend *c;
+    PyArrayObject *x, *act, *sum, *sum_in, *norm;
+    if (!PyArg_ParseTuple(args, "sOOOOOf", &device, &gobj, &uobj, &dobj, &xobj, &nobj, &eps)) return NULL;
+    if ((wg = hold_weight(&h, gobj)) == NULL || (wu = hold_weight(&h, uobj)) == NULL ||
+        (wd = hold_weight(&h, dobj)) == NULL)
+        goto done;
+    if (wg->rows != wu->rows || wg->cols != wu->cols || wd->cols != wg->rows || wd->rows != wg->cols) {
+        PyErr_Format(PyExc_ValueError, "swiglu_down: gate (%lld, %lld), up (%lld, %lld) and down (%lld, %lld) do not "
+                     "make a feed-forward block", (long long)wg->rows, (long long)wg->cols, (long long)wu->rows,
+                     (long long)wu->cols, (long long)wd->rows, (long long)wd->cols);
+        goto done;
+    }
+    if ((c = get_backend(device)) == NULL || (x = hold(&h, matmul_x(xobj, wg->cols, "swiglu_down"))) == NULL)
+        goto done;
+    if (PyArray_DIM(x, 0) != 1) {
+        PyErr_Format(PyExc_ValueError, "swiglu_down: one token, not %zd", (Py_ssize_t)PyArray_DIM(x, 0));
+        goto done;
+    }
+    npy_intp act_shape[2] = {1, (npy_intp)wg->rows}, sum_shape[1] = {(npy_intp)wd->rows};
+    if ((act = hold(&h, new_array(NPY_FLOAT32, 2, act_shape))) == NULL ||
+        (sum_in = hold(&h, (PyArrayObject *)PyArray_ZEROS(1, sum_shape, NPY_INT64, 0))) == NULL ||
+        (sum = hold(&h, new_array(NPY_INT64, 1, sum_shape))) == NULL ||
+        norm_arg(&h, nobj, wg->cols, "swiglu_down norm", &norm) < 0)
+        goto done;
+    swiglu_down_args a = {.gate = wg, .up = wu, .down = wd, .x = arr_in(x), .act = arr_out(act),
+                          .sum = arr_inout(sum_in, sum), .eps = eps};
+    if (norm) a.norm = arr_in(norm);
+    kernel_job j = {.op = op_swiglu_down, .args = &a, .arrays = {&a.x, &a.act, &a.sum, norm ? &a.norm : NULL},
+                    .w = {wg, wu, wd}};
+    if (run_job(c, &j) == 0) res = Py_BuildValue("(OO)", (PyObject *)act, (PyObject *)sum);
+done:
+    release_held(&h);
+    return res;
+}
+
 typedef struct {
     job_array x, w, out;
     int n, dim;
@@ -1511,6 +1576,9 @@ static PyMethodDef kernel_methods[] = {
      "kernel_matmul_multi(device, (weight, ...), x (n, cols), (bias or None, ...)) -> (x @ W_i^T + b_i, ...)"},
     {"kernel_matmul_swiglu", kernel_matmul_swiglu, METH_VARARGS,
      "kernel_matmul_swiglu(device, gate weight, up weight, x (n, cols)) -> silu(x @ Wg^T) * (x @ Wu^T)"},
+    {"kernel_swiglu_down", kernel_swiglu_down, METH_VARARGS,
+     "kernel_swiglu_down(device, gate weight, up weight, down weight, x (1, cols), norm (cols,) or None, eps) -> "
+     "(act (1, rows), sums (cols,) int64): the gate/up op with the down projection folded in (backend.h)"},
     {"kernel_matmul_add_swiglu", kernel_matmul_add_swiglu, METH_VARARGS,
      "kernel_matmul_add_swiglu(device, weight, x (n, cols), residual (n, rows), gate weight, up weight, norm (rows,), "
      "eps) -> (residual + x @ W^T, matmul_swiglu of that with norm): matmul_add told the norm next"},
