@@ -103,7 +103,7 @@ INNER = [
     ("kernels/matmul.cu", "    qc_copy_wait();\n    const float res", "    qc_copy_wait();\n    qc_st_mark(4);\n    const float res", 1),
     ("kernels/matmul.cu", "    __syncthreads();\n    if (!writer) return;\n",
      "    __syncthreads();\n    qc_st_mark(5);\n    if (!writer) return;\n", 1),
-    ("kernels/matmul_swiglu.cu", "    if constexpr (SH) qc_copy_wait();\n", "    if constexpr (SH) qc_copy_wait();\n    qc_st_mark(4);\n", 1),
+    ("kernels/matmul_swiglu.cu", "        else qc_copy_wait();\n    }\n", "        else qc_copy_wait();\n    }\n    qc_st_mark(4);\n", 1),
     ("kernels/matmul_swiglu.cu", "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n",
      "    qc_gemv_q8_row4<T, SH>(four, cols, xq, lane, acc);\n    qc_st_mark(5);\n", 1),
     ("kernels/qkv_attention.cu", "    const qc_q8x xs = {xs_qs, xs_ds, P.dim, P.dim / 32};\n",
