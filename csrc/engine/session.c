@@ -94,7 +94,8 @@ typedef struct {
     float *k;                 /* (rows, n_head_kv, head_dim) */
     float *v;                 /* (rows, n_head_kv, head_dim) */
     float *att;               /* (rows, n_head * head_dim) attention output, heads concatenated */
-    float *y;                 /* (rows, dim) o_proj output, then ffn_down output */
+    float *y;                 /* (rows, dim) o_proj output, then ffn_down output; in a folded
+                                 step, x plus the layer before's sums (qkv_attention's x_out) */
     float *gate;              /* (rows, ffn_dim) */
     float *up;                /* (rows, ffn_dim) */
     float *act;               /* (rows, ffn_dim) silu(gate) * up */
