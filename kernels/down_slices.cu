@@ -10,10 +10,10 @@
 
 #include <stdlib.h>
 
-/* Entry (b, r) of the slices: what row r of W (rows x cols, type T, stored rows of rb bytes)
- * holds of columns 32 b .. 32 b + 31, at out + (b * rows + r) * entry bytes. */
+/* Entry (b, r) of the slices: what row r of W (type T, stored rows of rb bytes) holds of columns
+ * 32 b .. 32 b + 31, at out (its place, (b * rows + r) * entry bytes, the kernel's to choose). */
 template <int T>
-__device__ void qc_slice_make(const uint8_t *W, int64_t rb, int64_t rows, int64_t b, int64_t r, uint8_t *out) {
+__device__ void qc_slice_make(const uint8_t *W, int64_t rb, int64_t b, int64_t r, uint8_t *out) {
     const uint8_t *row = W + r * rb;
     if constexpr (T == QC_TYPE_Q4_K) {
         const uint8_t *blk = row + (b / 8) * sizeof(qc_block_q4_K);
@@ -63,7 +63,6 @@ __device__ void qc_slice_make(const uint8_t *W, int64_t rb, int64_t rows, int64_
         const uint8_t *src = row + b * bs;
         for (int i = 0; i < bs; i++) out[i] = src[i];
     }
-    (void)rows;
 }
 
 template <int T>
@@ -72,7 +71,7 @@ __global__ void qc_slices_kernel(const uint8_t *__restrict__ W, int64_t rb, int6
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= slices * rows) return;
     const int64_t b = i / rows, r = i % rows;
-    qc_slice_make<T>(W, rb, rows, b, r, out + i * qc_slice_entry_bytes(T));
+    qc_slice_make<T>(W, rb, b, r, out + i * qc_slice_entry_bytes(T));
 }
 
 static qc_down_slices *find(qc_cuda *cu, const void *data) {

@@ -442,11 +442,15 @@ __device__ __forceinline__ const uint8_t *qc_copy_to_shared(uint8_t *dst, const 
  * takes without raising its limit. */
 __host__ __device__ static inline size_t qc_shared_copy_bytes(int64_t bytes) { return (size_t)((bytes + 16 + 15) / 16 * 16); }
 #define QC_SHARED_COPY_MAX (48u << 10)
-/* After qc_grid_start: this thread's copies done, then every thread's (the block's barrier). */
-__device__ __forceinline__ void qc_copy_wait() {
+/* After qc_grid_start: this thread's copies done (qc_copy_wait_own), then every thread's (the
+ * block's barrier). */
+__device__ __forceinline__ void qc_copy_wait_own() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void qc_copy_wait() {
+    qc_copy_wait_own();
     __syncthreads();
 }
 
@@ -458,11 +462,6 @@ __device__ __forceinline__ void qc_copy_wait() {
 __device__ __forceinline__ void qc_copy_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void qc_copy_wait_own() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void qc_copy_wait_but_last() {
