@@ -428,8 +428,8 @@ static qc_backend_ops make_cuda_ops(void) {
     ops.replay = cu_replay;
     ops.recording_free = cu_recording_free;
     ops.feed_draw = on_device<int(qc_backend *, const void *, void *, int32_t *, int32_t *, int64_t)>::run<qc_cuda_feed_draw>;
-    ops.matmul_draw = on_device<int(qc_backend *, const qc_weight *, const float *, const float *, float, float *,
-                                    const void *, void *, int32_t *, int32_t *)>::run<qc_cuda_matmul_draw>;
+    ops.matmul_draw = on_device<int(qc_backend *, const qc_weight *, const float *, const int64_t *, const float *, float,
+                                    float *, const void *, void *, int32_t *, int32_t *)>::run<qc_cuda_matmul_draw>;
     ops.download_start = cu_download_start;
     ops.download_finish = cu_download_finish;
     ops.draw_ticket = cu_draw_ticket;
@@ -440,6 +440,7 @@ static qc_backend_ops make_cuda_ops(void) {
         on_device<int(qc_backend *, const qc_weight *, const qc_weight *, const qc_weight *)>::run<qc_cuda_swiglu_down_prepare>;
     ops.swiglu_down = on_device<int(qc_backend *, const qc_weight *, const qc_weight *, const qc_weight *, const float *,
                                     const float *, float, float *, int64_t *, int64_t *)>::run<qc_cuda_swiglu_down>;
+    ops.sum_add = on_device<int(qc_backend *, const float *, const int64_t *, int64_t, float *)>::run<qc_cuda_sum_add>;
     return ops;
 }
 

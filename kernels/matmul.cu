@@ -403,8 +403,8 @@ __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t block
  * quantizes its QC_GEMV_WARPS blocks of 32, one per warp. Many blocks, so the decode's fused
  * norm costs about a launch, not a pass of every GEMV block over the row. */
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
-qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict__ norm_w, int cols,
-                           float eps, int8_t *qs, float2 *ds) {
+qc_norm_quantize_q8_kernel(const float *__restrict__ x, const long long *x_sum, const float *__restrict__ norm_w,
+                           int cols, float eps, int8_t *qs, float2 *ds) {
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
     const int lane = threadIdx.x & 31;
     const int b = blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
@@ -414,8 +414,8 @@ qc_norm_quantize_q8_kernel(const float *__restrict__ x, const float *__restrict_
      * and this lane's x value beside the scale's loads, not after the scale */
     const float w = mine ? __ldg(norm_w + i) : 0.0f;
     qc_grid_start();
-    const float xi = mine ? __ldcg(x + i) : 0.0f;
-    const float scale = qc_norm_row_scale(x, cols, eps, norm_tmp);
+    const float xi = mine ? qc_x_plus_sum(x, x_sum, i) : 0.0f;
+    const float scale = qc_norm_row_scale(x, cols, eps, norm_tmp, x_sum);
     if (mine) qc_q8_quantize_block(xi * scale * w, lane, qs + 32 * b, ds + b);
 }
 
@@ -438,16 +438,16 @@ int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_
     return QC_LAUNCHED(be, "qc_quantize_q8_kernel");
 }
 
-int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const float *norm_w, int64_t cols,
-                             float eps, qc_q8x *out) {
+int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const int64_t *x_sum, const float *norm_w,
+                             int64_t cols, float eps, qc_q8x *out) {
     qc_cuda *cu = qc_cuda_of(be);
     if (cols % 32 != 0 || cols > QC_NORM_FUSE_MAX_COLS)
         return qc_cuda_value_error(be, "norm_quantize_q8: %lld columns", (long long)cols);
     int8_t *qs = (int8_t *)cu->q8x;
     float2 *ds = qc_q8x_ds_at(cu->q8x, 1, cols);
     const unsigned blocks = (unsigned)((cols / 32 + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS);
-    qc_launch(cu, qc_norm_quantize_q8_kernel, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, norm_w, (int)cols, eps,
-              qs, ds);
+    qc_launch(cu, qc_norm_quantize_q8_kernel, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, (const long long *)x_sum,
+              norm_w, (int)cols, eps, qs, ds);
     *out = qc_q8x{qs, ds, cols, cols / 32};
     cu->q8x_of = NULL;
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
@@ -736,20 +736,21 @@ int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n
 }
 
 /* matmul_draw (backend.h): the four-row kernel with its draw (qc_head_draw), where it takes w. */
-int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
-                        float *logits, const void *state, void *result, int32_t *ids, int32_t *pos) {
+int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const int64_t *x_sum, const float *norm_w,
+                        float eps, float *logits, const void *state, void *result, int32_t *ids, int32_t *pos) {
     qc_cuda *cu = qc_cuda_of(be);
+    if (x_sum && !norm_w) return qc_cuda_value_error(be, "matmul_draw: x_sum takes the output norm");
     if (!cu->head_draw || !rows4_takes(be, w, 1, 0) || w->rows > INT32_MAX || (norm_w && w->cols > QC_NORM_FUSE_MAX_COLS))
         return 0;
     /* a fed draw also into its session's pair of host slots (draw_ticket), where one is free */
     const int pair = ids && cu->draw_to_host ? qc_cuda_draw_pair(cu, result, 1) : -1;
     const qc_head_draw draw = {cu->draw_best, (const qc_sample_state *)state, (qc_sample_result *)result, ids, pos,
                                pair >= 0 ? (qc_sample_result *)cu->draw_host_dev + 2 * pair : NULL};
-    /* the output norm: x normalised and quantized in one launch (qc_norm_quantize_q8_kernel:
-     * rmsnorm's numbers, then qc_quantize_q8_kernel's), where it took the rmsnorm and the
-     * quantize kernels */
+    /* the output norm: x (plus x_sum, the last layer's down projection) normalised and quantized
+     * in one launch (qc_norm_quantize_q8_kernel: rmsnorm's numbers, then qc_quantize_q8_kernel's),
+     * where it took the rmsnorm and the quantize kernels */
     qc_q8x xq = {};
-    if (norm_w && qc_cuda_norm_quantize_q8(be, x, norm_w, w->cols, eps, &xq) < 0) return -1;
+    if (norm_w && qc_cuda_norm_quantize_q8(be, x, x_sum, norm_w, w->cols, eps, &xq) < 0) return -1;
     if (matmul_any(be, w, NULL, x, 1, NULL, logits, 0, NULL, norm_w ? &xq : NULL, &draw) < 0) return -1;
     if (ids) qc_cuda_forget_rope(cu);   /* it moves the position (feed_draw) */
     qc_launch(cu, qc_head_draw_finish_kernel, dim3(1), dim3(32), 0, draw);

@@ -222,7 +222,7 @@ static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const
      * memory only for float parts */
     qc_q8x xq = {};
     if (launch.any_q8) {
-        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, norm_w, cols, eps, &xq) : qc_cuda_quantize_q8(be, x, n, cols, &xq)) < 0)
+        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, NULL, norm_w, cols, eps, &xq) : qc_cuda_quantize_q8(be, x, n, cols, &xq)) < 0)
             return -1;
         if (all_q8) norm_w = NULL;
     }

@@ -253,8 +253,8 @@ int qc_cuda_feed_draw(qc_backend *be, const void *result, void *state, int32_t *
                       int64_t n_vocab);
 /* matmul_draw (backend.h): the output norm's 8-bit x, the lm_head's four-row kernel with the greedy
  * draw, then its finish (matmul.cu). */
-int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
-                        float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
+int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const int64_t *x_sum, const float *norm_w,
+                        float eps, float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
 
 /* swiglu_down_prepare and swiglu_down (backend.h; matmul_swiglu.cu), and the slices they read
  * (down_slices.cu): made once per weight (0 or -1), freed with the weight's rows `data`, or all
@@ -340,6 +340,20 @@ __device__ __forceinline__ float qc_norm_scale_of_warps(const float *warp_ss, in
 #pragma unroll
     for (int i = 0; i < QC_NORM_ROW_THREADS / 32; i++) total += warp_ss[i];
     return qc_rms_scale(total, (float)dim, eps);
+}
+
+/* ---- the fixed-point sums of a folded down projection (swiglu_down, backend.h) ----
+ * A value into them (qc_sum_value's inverse) and back; x + qc_sum_to_float(sum) is the residual
+ * stream that their consumers read (qkv_attention.cu, the output norm of matmul.cu, sum_add). */
+__device__ __forceinline__ unsigned long long qc_sum_of(float v) {
+    return (unsigned long long)__float2ll_rn(v * 4294967296.0f);
+}
+__device__ __forceinline__ float qc_sum_to_float(long long s) { return __ll2float_rn(s) * (1.0f / 4294967296.0f); }
+/* x[i], plus its sum where x_sum is not NULL: the same float in every consumer */
+__device__ __forceinline__ float qc_x_plus_sum(const float *x, const long long *x_sum, int64_t i) {
+    float v = __ldcg(x + i);
+    if (x_sum) v += qc_sum_to_float(__ldcg(x_sum + i));
+    return v;
 }
 
 /* ---- programmatic dependent launch (PDL, sm_90+) ----

@@ -69,10 +69,11 @@ __device__ __forceinline__ void qc_load_x8_shared(const float *xr, int64_t p, in
 /* Its first half: 1 / rms(x), the rmsnorm kernel's value, in every thread; x[i] * scale * w[i]
  * is then element i, bit for bit (qc_norm_quantize_q8_kernel normalises only its own blocks).
  * x is in global memory, read through L2 (__ldcg: never a stale L1 line), or with XS in shared
- * memory (the persistent decode kernel copies it there first). */
+ * memory (the persistent decode kernel copies it there first). x_sum (global x only): the row is
+ * x + the folded down projection's sums (qc_x_plus_sum). */
 template <bool XS = false>
 __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, int dim, float eps,
-                                                   float *warp_sums) {
+                                                   float *warp_sums, const long long *x_sum = nullptr) {
     static_assert(2 * 32 * QC_GEMV_WARPS == QC_NORM_ROW_THREADS, "two rmsnorm threads per thread");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float ss[2] = {0.0f, 0.0f};
@@ -87,7 +88,7 @@ __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, 
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int i = tid + h * 32 * QC_GEMV_WARPS + m * QC_NORM_ROW_THREADS;
-                v[h][m] = i < dim ? __ldcg(x + i) : 0.0f;
+                v[h][m] = i < dim ? qc_x_plus_sum(x, x_sum, i) : 0.0f;
             }
 #pragma unroll
         for (int h = 0; h < 2; h++)
@@ -100,7 +101,7 @@ __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, 
             for (int i = tid + h * 32 * QC_GEMV_WARPS; i < dim; i += QC_NORM_ROW_THREADS) {
                 float v;
                 if constexpr (XS) v = x[i];
-                else v = __ldcg(x + i);
+                else v = qc_x_plus_sum(x, x_sum, i);
                 ss[h] = fmaf(v, v, ss[h]);
             }
     }

@@ -88,12 +88,6 @@ __device__ __forceinline__ float qc_slice_dot(const uint8_t *e, const int8_t *qs
     }
 }
 
-/* A value into the fixed-point sums (qc_sum_value, backend.h) and back. */
-__device__ __forceinline__ unsigned long long qc_sum_of(float v) {
-    return (unsigned long long)__float2ll_rn(v * 4294967296.0f);
-}
-__device__ __forceinline__ float qc_sum_to_float(long long s) { return __ll2float_rn(s) * (1.0f / 4294967296.0f); }
-
 /* The slices of w_down (dim rows of ffn columns) made by swiglu_down_prepare, or NULL
  * (down_slices.cu). */
 const uint8_t *qc_cuda_down_slices(qc_backend *be, const qc_weight *w_down);

@@ -250,6 +250,31 @@ print('$tool run ok')
             san_summary="$san_summary; $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logdir/sanitizer-$tool.log" | tail -1) (exit $rc)"
             cat "$logdir/sanitizer-$tool.log" >>"$logdir/sanitizer.log"
         done
+        # the folded down projection (swiglu_down: the slices, the sums' atomics and clears, the
+        # attention launch and the head adding them): a model whose gate/up take the 32-row
+        # kernel, three layers, a vocabulary for the lm_head's draw; logits steps (sum_add), greedy
+        # steps drawn in the lm_head (matmul_draw's output norm), a capturing step between. Each
+        # prefill is one token: a longer one takes cuBLAS, whose f16 tensor-core stores initcheck
+        # does not see (its bias kernel's reads were 44384 false reports, H200, 2026-12-03)
+        (cd /tmp && "$PY" -c "from qwencuda import testing
+testing.write_model('$synth/fold-q8_0-san.gguf', config=dict(n_vocab=12000, dim=224, n_layer=3, n_head=14, n_head_kv=2, ffn_dim=512), weight_type='q8_0')") >>"$logdir/sanitizer.log" 2>&1
+        for tool in memcheck racecheck initcheck; do
+            (cd /tmp && timeout 400 compute-sanitizer --tool $tool --error-exitcode 9 "$PY" -c "
+import numpy as np, qwencuda as qc
+with qc.Model('$synth/fold-q8_0-san.gguf', device='cuda') as m, m.session(max_context=96) as s:
+    tr = s.prefill([3])
+    for k in range(6):
+        tr = s.step(int(tr.argmax[-1]), capture='blk.1.ffn_out' if k == 2 else None)
+    g = qc.Sampler(m.config.n_vocab); s.reset(); t = s.prefill([7], logits=None, sampler=g).token
+    for _ in range(5):                                          # greedy steps run ahead
+        t = s.step(t, logits=None, sampler=g).token
+    assert s.ran_ahead
+print('fold $tool run ok')
+") >"$logdir/sanitizer-fold-$tool.log" 2>&1
+            rc=$?
+            san_summary="$san_summary; fold $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logdir/sanitizer-fold-$tool.log" | tail -1) (exit $rc)"
+            cat "$logdir/sanitizer-fold-$tool.log" >>"$logdir/sanitizer.log"
+        done
     else
         san_summary="compute-sanitizer not found"
     fi

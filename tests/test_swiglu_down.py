@@ -1,8 +1,10 @@
 """The down projection folded into the gate/up kernel (backend.h's swiglu_down; kernels/
 matmul_swiglu.cu, qc_slices.cuh, down_slices.cu): in a decode step that captures and patches
-nothing, each layer but the last adds act @ w_down^T into 64-bit fixed-point sums, which the next
-layer's attention op adds to x (session.c). Against the same steps with QWENCUDA_DOWN_FOLD=0 (read
-when a model's backend is made: the down projection as its own matmul_add).
+nothing, each layer adds act @ w_down^T into 64-bit fixed-point sums, which the next layer's
+attention op adds to x, and after the last layer the head: the output norm inside matmul_draw where
+the step draws greedily on the device, else a sum_add launch before the rmsnorm (session.c,
+head_sum). Against the same steps with QWENCUDA_DOWN_FOLD=0 (read when a model's backend is made:
+the down projection as its own matmul_add).
 
 Tolerances, and why:
   - a folded step against the unfolded one from the same cache (both sessions prefill the same
@@ -17,9 +19,9 @@ Tolerances, and why:
     every step and by far more (a down projection left out or added twice). Steps are not
     chained: the caches would carry those roundings on, as they carry the unfolded path's own.
   - folded against folded (two models; recorded against eager steps; the attention's fallback
-    with the sums' add launch against the one launch): equal bit for bit. The sums are integers,
-    whatever order the atomics land in, and the two ways of adding them to x compute the same
-    floats.
+    with the sums' add launch against the one launch; the head's two ways, the greedy draw inside
+    the lm_head against the logits' argmax): equal bit for bit. The sums are integers, whatever
+    order the atomics land in, and the ways of adding them to x compute the same floats.
 The kernel on NumPy inputs (qwencuda.kernels.swiglu_down): act equal to matmul_swiglu's bit for
 bit (the same kernel and quantization), and the down projection within 1e-5 of the sum of its
 terms' magnitudes of matmul's (each of its float additions rounds by at most 2^-24 of such a sum:
@@ -38,7 +40,7 @@ gpu = pytest.mark.gpu
 
 TOL = 1e-3        # the median step (no quant rounded the other way)
 ROUNDED = 2e-2    # any step (a quant or two of a later layer's 8-bit x rounded the other way)
-# three or more layers (the last never folds, and a folded layer clears the one before's sums),
+# three or more layers (a folded layer clears the one before's sums, and a session folds none unless two),
 # shapes whose gate/up take the 32-row kernel; q4_k_m's downs are Q4_K and Q6_K (dim not a
 # multiple of 256: gate and up fall back to 32-element types, as in the real 0.5B file)
 SHAPES = {
@@ -134,7 +136,7 @@ def test_folded_steps_are_the_same_bits_every_way(tmp_path, monkeypatch, weight_
 
 @gpu
 def test_fold_runs_in_plain_steps_only(tmp_path, monkeypatch):
-    """A plain decode step runs the folded kernel once for every layer but the last; a step that
+    """A plain decode step runs the folded kernel once for every layer, the last too; a step that
     captures runs none (the op-by-op path, exact captures). Without torch's profiler: skipped."""
     prof = pytest.importorskip("torch.profiler")
     path = _write(tmp_path, "hd64x4", "q4_k_m")
@@ -147,8 +149,47 @@ def test_fold_runs_in_plain_steps_only(tmp_path, monkeypatch):
                     fn()
                 return sum(1 for e in p.events() if FOLDED.search(e.name))
 
-            assert folded_launches(lambda: s.step(5)) == SHAPES["hd64x4"]["n_layer"] - 1
+            assert folded_launches(lambda: s.step(5)) == SHAPES["hd64x4"]["n_layer"]
             assert folded_launches(lambda: s.step(6, capture=["blk.0.ffn_out"])) == 0
+
+
+# a vocabulary large enough for the lm_head's four-row kernel and its greedy draw (test_head_draw.py)
+BIG_VOCAB = dict(n_vocab=12000, dim=128, n_layer=3, n_head=4, n_head_kv=2, ffn_dim=256)
+DRAW_KERNEL = "qc_gemv_q8_rows4_kernel<8, true, true>"   # Q8_0, rows from shared memory, DRAW
+
+
+@gpu
+def test_head_adds_the_last_layers_sums_both_ways(tmp_path, monkeypatch):
+    """The last layer's sums reach the head by either path: a greedy loop drawing inside the lm_head
+    (matmul_draw's output norm adds them) and steps handing back logits (sum_add, then rmsnorm and
+    the lm_head) draw the same tokens, the first largest logit of the same bits; with the profiler,
+    the drawing kernel ran in the loop and every layer's folded kernel in both. A head that left
+    the sums out would miss the last layer's whole down projection in one path and not the other."""
+    from engine_util import cuda_kernel_ran
+
+    path = str(tmp_path / "big-vocab-q8_0.gguf")
+    testing.write_model(path, config=BIG_VOCAB, weight_type="q8_0", seed=4)
+    with _model(path, monkeypatch, True) as m:
+        greedy = qc.Sampler(m.config.n_vocab)
+        with _session(m, monkeypatch) as s:
+            token = s.prefill([1, 2, 3, 4, 5], logits=None, sampler=greedy).token
+            drawn = [token]
+            for _ in range(20):
+                token = s.step(token, logits=None, sampler=greedy).token
+                drawn.append(token)
+
+            def more():
+                s.step(drawn[-1], logits=None, sampler=greedy)
+
+            drew = cuda_kernel_ran(more, DRAW_KERNEL)
+        with _session(m, monkeypatch) as s:
+            logits = s.prefill([1, 2, 3, 4, 5]).logits[-1]
+            argmax = [int(np.argmax(logits))]
+            for t in drawn[:-1]:
+                argmax.append(int(np.argmax(s.step(int(t)).logits[0])))
+            folded = cuda_kernel_ran(lambda: s.step(int(drawn[-1])), "q8out_kernel<")
+    assert drawn == argmax
+    assert drew in (None, True) and folded in (None, True)
 
 
 @gpu

@@ -264,13 +264,16 @@ typedef struct qc_backend_ops {
      * bias) and result = what sample leaves over them (the first largest logit, NaN never
      * chosen, -1 when every logit is NaN or -inf; the state's RNG), the same logits and result.
      * norm_w: when not NULL, x is first RMS-normalised with it and eps (rmsnorm, bit for bit;
-     * the normalised x is not kept), so the output norm needs no launch of its own. With ids
+     * the normalised x is not kept), so the output norm needs no launch of its own. x_sum (NULL,
+     * or with norm_w): the sums of the last layer's folded down projection (swiglu_down), so that
+     * the row is x + qc_sum_value(x_sum), as sum_add would leave it (x itself unchanged). With ids
      * and pos (not NULL) it then does what feed_draw does with that result, and may also put
      * the result where draw_ticket finds it. Returns 2 when it ran and did that, 1 when it ran,
      * 0 where it does not serve w (nothing queued: the caller runs rmsnorm, matmul, sample and
      * feed_draw), -1 on error. */
-    int (*matmul_draw)(qc_backend *be, const qc_weight *w, const float *x, const float *norm_w, float eps,
-                       float *logits, const void *state, void *result, int32_t *ids, int32_t *pos);
+    int (*matmul_draw)(qc_backend *be, const qc_weight *w, const float *x, const int64_t *x_sum,
+                       const float *norm_w, float eps, float *logits, const void *state, void *result,
+                       int32_t *ids, int32_t *pos);
     int (*download_start)(qc_backend *be, const void *src, size_t bytes, int *ticket);
     int (*download_finish)(qc_backend *be, int ticket, void *host_dst, size_t bytes);
     /* draw_ticket: download_start of the qc_sample_result that the step just queued drew, where
@@ -300,11 +303,13 @@ typedef struct qc_backend_ops {
      * float ones only in the order of their additions (and a rounding at 2^-32).
      * swiglu_down_prepare, outside any recording (it may allocate and launch): 1 where
      * swiglu_down takes these weights (then it never declines them), 0 where it does not, -1 on
-     * error. */
+     * error. sum_add (with them): out = x + qc_sum_value(sum), n values (out may be x), for a
+     * consumer of the sums that does not add them itself (the head without matmul_draw). */
     int (*swiglu_down_prepare)(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up,
                                const qc_weight *w_down);
     int (*swiglu_down)(qc_backend *be, const qc_weight *w_gate, const qc_weight *w_up, const qc_weight *w_down,
                        const float *x, const float *norm_w, float eps, float *act, int64_t *sum, int64_t *clear);
+    int (*sum_add)(qc_backend *be, const float *x, const int64_t *sum, int64_t n, float *out);
 
     /* ---- optional (NULL where unsupported): weights to read ahead ----
      * read_ahead names the n (<= QC_READ_AHEAD_MAX) weights of an op after the next one; the next

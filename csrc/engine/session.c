@@ -179,11 +179,11 @@ struct qc_session {
     int slots_marked;         /* the last eval captured or patched: slot[], patched[] need clearing */
     /* the down projection folded into the gate/up op (backend.h's swiglu_down) in a decode step
      * that captures and patches nothing (eval_plan's fold_down): fold[l] where the backend took
-     * layer l's weights at creation (never the last layer's, whose x goes to the head; none
-     * unless two layers or more), and their fixed-point sums, a row of dim a layer, in backend
-     * memory. A folded layer adds into its row and clears the row of the folded layer before it
-     * (fold_before: cyclically, so the first clears the last's of the step before), whose sums
-     * the layer after that one has read: between evals every row is zero but the last folded
+     * layer l's weights at creation (none unless two layers or more), and their fixed-point
+     * sums, a row of dim a layer, in backend memory. A folded layer adds into its row and clears
+     * the row of the folded layer before it (fold_before: cyclically, so the first clears the
+     * last's of the step before), whose sums the layer after that one (or the head, after the
+     * last layer: head_sum) has read: between evals every row is zero but the last folded
      * layer's. Steps that do not fold leave the rows alone. */
     unsigned char *fold;      /* [n_layer] */
     int n_fold;
@@ -875,10 +875,11 @@ static int fold_plan(qc_session *s, qc_error *err) {
     qc_backend *be = s->be;
     const int n_layer = (int)c->n_layer;
     s->n_fold = 0;
-    if (!be->ops->swiglu_down_prepare || !be->ops->swiglu_down || s->no_fusion || n_layer < 3) return 0;
+    if (!be->ops->swiglu_down_prepare || !be->ops->swiglu_down || !be->ops->sum_add || s->no_fusion || n_layer < 3)
+        return 0;
     s->fold = calloc((size_t)n_layer, 1);
     if (s->fold == NULL) return qc_fail(err, QC_ERR_NOMEM, "session: out of memory");
-    for (int l = 0; l + 1 < n_layer; l++) {
+    for (int l = 0; l < n_layer; l++) {
         const qc_layer *L = &m->layers[l];
         const int rc = be->ops->swiglu_down_prepare(be, &L->w_gate, &L->w_up, &L->w_down);
         if (rc < 0) return qc_fail(err, be->err.kind, "%s", be->err.msg);
@@ -1304,7 +1305,7 @@ static int layer_forward(qc_session *s, const eval_plan *p, int l, int c0, int n
     /* folded (a decode step that captures nothing): gate, up, act and the down projection in one
      * op, whose output, sums, the next layer's attention op adds to x (x_sum above) */
     if (p->fold_down && s->fold[l]) {
-        if (op->read_ahead) {
+        if (op->read_ahead && l + 1 < (int)c->n_layer) {
             const qc_layer *next = &m->layers[l + 1];
             const qc_weight *const ahead[3] = {&next->wq, &next->wk, &next->wv};
             OP(op->read_ahead(be, ahead, 3));
@@ -1357,6 +1358,13 @@ fail:
     return -1;
 }
 
+/* The sums that the last layer's folded down projection left for the head (x is then x + them),
+ * or NULL where the last layer did not fold in this eval. */
+static const int64_t *head_sum(const qc_session *s, const eval_plan *p) {
+    const int last = (int)s->m->cfg.n_layer - 1;
+    return p->fold_down && !p->one_launch && s->fold[last] ? fold_sum(s, last) : NULL;
+}
+
 /* The output norm, the lm_head, the argmax and the draw over this chunk's rows that the eval
  * hands back: every row with all_logits, else the eval's last token (in its last chunk). The
  * lm_head runs QC_HEAD_ROWS rows at a time; logits and argmax go straight to the caller. */
@@ -1374,14 +1382,18 @@ static int head_forward(qc_session *s, const eval_plan *p, int c0, int nc, qc_er
     const int r0 = req->all_logits ? 0 : (last_chunk ? nc - 1 : nc);
     const int out_row0 = req->all_logits ? c0 : 0;
 
+    /* the last layer folded its down projection: x + its sums is the residual stream (one token) */
+    const int64_t *x_sum = head_sum(s, p);
+
     /* a greedy draw from the one lm_head row may be the lm_head's own, with the output norm
-     * folded in (matmul_draw; drawn: it also fed the step after) */
+     * folded in (matmul_draw; drawn: it also fed the step after), and the sums */
     int drawn = 0;
     if (!p->one_launch && p->head_draw && last_chunk && nc - r0 == 1 && !want_norm)
-        OP(drawn = op->matmul_draw(be, &m->output, sc->x + (size_t)r0 * dim, m->output_norm, c->norm_eps, s->logits,
-                                   s->sample_state, s->sample_result, p->feeds ? sc->ids : NULL,
+        OP(drawn = op->matmul_draw(be, &m->output, sc->x + (size_t)r0 * dim, x_sum, m->output_norm, c->norm_eps,
+                                   s->logits, s->sample_state, s->sample_result, p->feeds ? sc->ids : NULL,
                                    p->feeds ? sc->pos : NULL));
     s->head_draw_fed = drawn == 2 && p->feeds;   /* its draw reaches the host by draw_ticket */
+    if (x_sum && !drawn) OP(op->sum_add(be, sc->x, x_sum, dim, sc->x));
 
     /* output RMSNorm: every row when all are needed, else the lm_head's (decode_step ran both) */
     const int first = want_norm ? 0 : r0;

@@ -1376,7 +1376,7 @@ typedef struct {
 static int op_matmul_draw(qc_backend *be, void *p) {
     matmul_draw_args *a = p;
     if (be->ops->matmul_draw == NULL) return 0;
-    const int rc = be->ops->matmul_draw(be, a->w, a->x.dev, a->norm.dev, a->eps, a->logits.dev, a->state.dev,
+    const int rc = be->ops->matmul_draw(be, a->w, a->x.dev, NULL, a->norm.dev, a->eps, a->logits.dev, a->state.dev,
                                         a->result.dev, a->feed ? a->ids.dev : NULL, a->feed ? a->pos.dev : NULL);
     a->taken = rc > 0;
     return rc < 0 ? -1 : 0;
