@@ -88,8 +88,26 @@ __device__ __forceinline__ float qc_norm_row_scale(const float *__restrict__ x, 
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int i = tid + h * 32 * QC_GEMV_WARPS + m * QC_NORM_ROW_THREADS;
-                v[h][m] = i < dim ? qc_x_plus_sum(x, x_sum, i) : 0.0f;
+                v[h][m] = i < dim ? __ldcg(x + i) : 0.0f;
             }
+        if (x_sum) {
+            /* the sums' loads, all of them, then the adds: with the add beside each load (a
+             * branch on x_sum between them), each load waited for the one before, and the output
+             * norm's launch took 5.9 us from its release to its end, not 2.0 (H200, step stamps
+             * of the real file, 2026-12-03) */
+            long long s[2][PER];
+#pragma unroll
+            for (int m = 0; m < PER; m++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int i = tid + h * 32 * QC_GEMV_WARPS + m * QC_NORM_ROW_THREADS;
+                    s[h][m] = i < dim ? __ldcg(x_sum + i) : 0;
+                }
+#pragma unroll
+            for (int m = 0; m < PER; m++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) v[h][m] += qc_sum_to_float(s[h][m]);
+        }
 #pragma unroll
         for (int h = 0; h < 2; h++)
 #pragma unroll
