@@ -338,7 +338,11 @@ __device__ __forceinline__ void qc_qa_cluster_merge(float *parts, unsigned rank,
  * 13), and decode without the fold went 2292.5-2295.9 -> 2211.6 tok/s at 512 keys (H200,
  * synthetic 0.5B Q4_K_M, one lease, 2026-12-03); on its own, 2294.1-2296.6 against the base's
  * 2272.7-2290.2 in another lease. Registers are given a warp in steps of 8 a thread, so 113 takes
- * 120 (read off the figures, not stamped: fewer of these blocks then fit beside the ones before). */
+ * 120 (read off the figures, not stamped: fewer of these blocks then fit beside the ones before).
+ * With the sums' loads batched in the norm (qc_qa_norm_quantize), the SUM instantiation takes 105
+ * (nvcc 13) and decode went 2356.2-2363.5 -> 2378.4-2392.6 tok/s at 512 keys, 2013.9-2020.7 ->
+ * 2039.9-2048.9 at 2560 (H200, real file, with the output norm's same change; report
+ * 20261203-a65eddb-*, addendum). */
 template <int G, typename KV, int HD, int C, bool SUM>
 __global__ void __launch_bounds__(qc_qa_shape<C>::threads, qc_qa_shape<C>::min_blocks)
 qc_qkv_attention_kernel(const __grid_constant__ qc_qa_params P) {
