@@ -735,7 +735,13 @@ int qc_cuda_matmul_add(qc_backend *be, const qc_weight *w, const float *x, int n
     return matmul_any(be, w, NULL, x, n, residual, out, x_from_last_op, norm_next, NULL, NULL);
 }
 
-/* matmul_draw (backend.h): the four-row kernel with its draw (qc_head_draw), where it takes w. */
+/* matmul_draw (backend.h): the four-row kernel with its draw (qc_head_draw), where it takes w.
+ * Measured and not kept (H200, real file, 2026-12-03; report 20261203-bf63cef-*, addendum 2): the
+ * lm_head's launch as a plain stream edge, not a programmatic dependent launch (stamps of 25ac1c7
+ * put 2.77 us between the output norm's end and its first release, where other grids wait about
+ * 0.5): 2346.1 and 2346.5 tok/s at 512 keys against 2352.1 and 2362.2; with the norm's launch
+ * plain too, 2347.2 and 2355.0 against 2348.8 and 2361.1. Once the last layer folded (bf63cef)
+ * that gap was 0.48 us. */
 int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, const int64_t *x_sum, const float *norm_w,
                         float eps, float *logits, const void *state, void *result, int32_t *ids, int32_t *pos) {
     qc_cuda *cu = qc_cuda_of(be);

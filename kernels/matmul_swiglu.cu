@@ -138,7 +138,14 @@ static int swiglu_q8out_takes(const qc_cuda *cu, const qc_weight *w_gate, const 
  * also raised); the sums in four copies (block b adding into copy b % 4, the consumers adding the
  * four), against atomics contending for one address from 152 blocks: 1, 2 or 4 copies written
  * were even with each other (2185.4-2202.0 tok/s at 512 keys), and the four loads of each
- * consumer made the step 4.5% slower than the base in that lease (2282.9-2298.9). */
+ * consumer made the step 4.5% slower than the base in that lease (2282.9-2298.9). Measured and not
+ * kept (H200, real file, 2026-12-03, against a65eddb; report 20261203-a65eddb-*, addendum 2): the
+ * slice's copies issued after the wait, since step stamps of bf63cef put this kernel's last
+ * arrival at its wait 0.90 us after its first release and its releases 1.38 us apart (the
+ * unfolded kernel's blocks of 25ac1c7 had all arrived 0.58 us before it): 2376.6 and 2374.8 tok/s
+ * at 512 keys against 2393.5 and 2386.2, but the same build with its switch off ran 2370.2
+ * against 2394.9: the switch's kernel parameter and branches cost what the late copies might
+ * have gained. */
 template <int T, bool SH, int DT>
 __global__ void __launch_bounds__(QC_SWIGLU_Q8_THREADS, QC_SWIGLU_Q8_BLOCKS_PER_SM)
 qc_gemv_q8_swiglu_q8out_kernel(const uint8_t *__restrict__ Wg, const uint8_t *__restrict__ Wu, int64_t row_bytes,
