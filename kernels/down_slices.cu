@@ -139,7 +139,7 @@ void qc_cuda_free_down_slices(qc_cuda *cu, const void *data) {
 __global__ void qc_sum_add_kernel(const float *x, const long long *sum, int64_t dim, float *out) {
     qc_grid_start();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < dim) out[i] = x[i] + qc_sum_to_float(__ldcg(sum + i));
+    if (i < dim) out[i] = qc_x_plus_sum(x, sum, i);
 }
 
 int qc_cuda_sum_add(qc_backend *be, const float *x, const int64_t *sum, int64_t dim, float *out) {
