@@ -258,7 +258,18 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * (1) and (2) at two blocks an SM 2231.7, 2229.3 against 2294.4, 2290.9. This kernel's 145 MB in
  * 37.4 us (its share of a stamped step of 25ac1c7) is 3.87 TB/s, about 90% of the 4.3 TB/s
  * (bytes read and written) that the device tool's KINDS.md gives for a device-to-device copy on
- * the H200 (not measured here): little is left to stream faster. */
+ * the H200 (not measured here): little is left to stream faster.
+ * Measured and not kept (H200, real file, two alternating rounds in one lease, 2026-12-04,
+ * against b825938; report 20261204-b825938-nvidia-h200-ab): the lm_head's first bytes kept in L2
+ * across steps, so that the step streams fewer of them from HBM: L2 set aside for persisting
+ * lines (cudaLimitPersistingL2CacheSize; the H200 sets aside at most 37.5 MB of its 60) and the
+ * weight's start named as every launch's access policy window (hitRatio 1, persisting). Decode
+ * at 512 keys 2371.0, 2380.3 tok/s with 30 MB kept, 2377.8, 2374.3 with 16, 2353.0, 2356.4 with
+ * 37.5, against 2381.5, 2381.8 (base) and 2379.2, 2378.7 (the switch at 0); at 2560 keys 37.5 MB
+ * lost 1.8%. ncu (clocks as they were, caches not flushed) counted 144.68 MB of DRAM reads in
+ * this kernel with 30 MB kept and without, and 1.4% L2 hits (17.8% with QWENCUDA_WEIGHTS_SHARED=0,
+ * the prefetched lines): no line stayed. A probe of the same calls (30 MB read after 256 MB
+ * streamed past it) took 12.7 us with the launch's window against 13.8 without. */
 #define QC_GEMV_ROWS4 4
 #define QC_ROWS4_WARPS 8                /* warps a block: 32 rows */
 #define QC_ROWS4_ROWS (QC_ROWS4_WARPS * QC_GEMV_ROWS4)
