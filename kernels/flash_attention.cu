@@ -25,7 +25,20 @@
  * attention.cu's split-K kernel does. SPLITS is a template constant so that the merge's loads
  * of every split's partial are issued together (unrolled), not one L2 round trip after another. The grid depends on the shapes only, never on the
  * positions (read from device memory), so the decode step replays as a CUDA graph.
- */
+ *
+ * Measured and not kept (H200, real file, one lease, 2026-12-04; report 20261204-2b650a3-*): a
+ * decode step past QC_KV_SHORT keys runs seven launches a layer where the one-launch attention's
+ * runs three (qkv_attention.cu's fallback: the fold's sum_add, the norm, q/k/v with RoPE, this
+ * kernel, the quantization of its output, the o projection, the fold), so (1) the merge here
+ * also wrote its output's 8-bit form for the o projection (qc_q8_quantize_block, a warp a block of
+ * 32; cu->q8x_of) and (2) the norm's launch added the fold's sums (x_out of
+ * qc_cuda_norm_quantize_q8) instead of a sum_add launch before it: 126 launches a step, not 173.
+ * The step's time did not move: 650.4 us against 651.6 at 8704 keys (profile_decode.py
+ * timeline), this kernel's share of it 233.4 -> 298.8 us where the launches left; decode 1496.9,
+ * 1494.3, 1503.0 tok/s at 8704 keys against 1494.1, 1504.1, 1500.4, and 1429.2, 1425.9, 1434.5 at
+ * 16896 against 1421.4, 1418.2, 1423.6. What the step waits for at long contexts is this kernel:
+ * 64 blocks (2 KV heads x 32 splits) of 128 threads, 9.7 us a layer at 8704 keys and 11.1 at
+ * 16896, whose 2.2-4.3 MB of keys and values a layer take HBM about 1 us. */
 #include "qc_cuda.cuh"
 
 #define QC_FA_BC 64                /* keys per tile */

@@ -393,7 +393,13 @@ __device__ __forceinline__ void qc_grid_start() {
  * unchanged. Elsewhere it was slower: after the attention norm, the q/k/v kernel's blocks came
  * 21 us a step earlier but the attention's clusters after it were placed late, -1% at 512 keys
  * and -5% at 2560; in every kernel, -3% at 2560 (bench/results/20261124-d82da0b-*;
- * 20261124-550e506-*, addendum). */
+ * 20261124-550e506-*, addendum). Measured and not kept (H200, real file, three alternating rounds
+ * in one lease, 2026-12-04, report 20261204-2b650a3-nvidia-h200-ab): the folded gate/up kernel
+ * launched at the start of the o projection's add_norm kernel, since its blocks still issued their
+ * weight copies when the o projection ended (its first release 0.90 us after that end, stamps of
+ * bf63cef): 2330.8, 2323.7, 2321.0 tok/s at 512 keys against 2382.3, 2379.2, 2383.4 (its 152
+ * blocks then placed beside the attention's); the next layer's attention launched at the start of
+ * the fold: 2378.0, 2389.3, 2372.0 (even); both 2292.7-2298.4. */
 __device__ __forceinline__ void qc_grid_launch_next() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
