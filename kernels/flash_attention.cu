@@ -122,7 +122,14 @@ struct qc_fa_smem {
     static constexpr size_t bytes = (q_halves + KW * warp_halves) * sizeof(__half);
 };
 
-template <int D, int WARPS, int SPLITS, int KW>
+/* EARLY (decode's split blocks): each key warp's first tile, where all its keys are below the
+ * position of the block's first token (earlier evals wrote them: qc_cuda.cuh's PDL rule, as
+ * qc_attention.cuh's held keys), is asked for before qc_grid_start, so that its HBM round trip
+ * runs under the kernel before (q, k and v with RoPE) instead of after the wait. The same tiles
+ * in the same buffers: the same bits. Why: past QC_KV_SHORT keys the step waits on this kernel,
+ * about 10 us a layer for 2-4 MB of keys and values (report 20261204-2b650a3-*), and at 8704
+ * keys a key warp walks one or two tiles, the first of them after the wait. */
+template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false>
 __global__ void __launch_bounds__(32 * WARPS * KW)
 qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict__ k_cache,
                           const __half *__restrict__ v_cache, const int32_t *__restrict__ pos,
@@ -140,7 +147,8 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     __half *Ks = Qs + L::q_halves + kw * L::warp_halves;   /* [2][QC_FA_BC][LD] of this key warp */
     __half *Vs = Ks + 2 * L::tile_halves;                  /* [2][QC_FA_BC][LD] */
     __shared__ bool last_block;
-    qc_grid_start();
+    static_assert(!EARLY || (KW > 1 && SPLITS > 1), "EARLY: decode's split blocks");
+    if constexpr (!EARLY) qc_grid_start();
 
     const int g = lane >> 2, c = lane & 3;      /* fragment row group and column pair */
     const int G = n_head / n_head_kv, kv_dim = n_head_kv * D;
@@ -151,21 +159,11 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     const int ltid = KW == 1 ? tid : lane, lthreads = KW == 1 ? NTH : 32;
     const int row0 = rt * R;
 
-    /* the keys this block needs: 0 .. pos of its last token (positions grow with the token) */
+    /* the keys this block needs: 0 .. pos of its last token (positions grow with the token);
+     * (positions: uploaded by copies or fed by the step before, readable before the wait) */
     const int kmax = pos[(min(row0 + R, total_rows) - 1) / G];
     const int n_tiles = kmax / QC_FA_BC + 1;
     const __half *kbase = k_cache + (int64_t)kvh * D, *vbase = v_cache + (int64_t)kvh * D;
-
-    /* stage Q (f16) */
-    for (int i = tid; i < R * (D / 2); i += NTH) {
-        const int rr = i / (D / 2), d = 2 * (i % (D / 2)), r = row0 + rr;
-        float2 v = make_float2(0.0f, 0.0f);
-        if (r < total_rows) {
-            const int t = r / G, h = kvh * G + r % G;
-            v = *reinterpret_cast<const float2 *>(q + ((int64_t)t * n_head + h) * D + d);
-        }
-        *reinterpret_cast<__half2 *>(Qs + rr * LD + d) = __floats2half2_rn(v.x, v.y);
-    }
 
     /* one tile of K and V into buffer b; keys past kmax are zero-filled */
     auto load_tile = [&](int tile, int b) {
@@ -181,7 +179,24 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
 
     int tile = split * KW + kw;
     const int stride = SPLITS * KW;
-    if (tile < n_tiles) load_tile(tile, 0);
+    /* EARLY: the first tile before the wait where every key of it is below the first row's
+     * position (no kernel of this eval writes those) */
+    const bool first_early = EARLY && tile < n_tiles && (tile + 1) * QC_FA_BC <= pos[row0 / G];
+    if (first_early) load_tile(tile, 0);
+    if constexpr (EARLY) qc_grid_start();
+
+    /* stage Q (f16) */
+    for (int i = tid; i < R * (D / 2); i += NTH) {
+        const int rr = i / (D / 2), d = 2 * (i % (D / 2)), r = row0 + rr;
+        float2 v = make_float2(0.0f, 0.0f);
+        if (r < total_rows) {
+            const int t = r / G, h = kvh * G + r % G;
+            v = *reinterpret_cast<const float2 *>(q + ((int64_t)t * n_head + h) * D + d);
+        }
+        *reinterpret_cast<__half2 *>(Qs + rr * LD + d) = __floats2half2_rn(v.x, v.y);
+    }
+
+    if (!first_early && tile < n_tiles) load_tile(tile, 0);
     qc_cp_async_commit();
     __syncthreads();   /* Q staged */
 
@@ -412,7 +427,7 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
 
 /* ---- launch ----------------------------------------------------------------------------- */
 
-template <int D, int WARPS, int SPLITS, int KW>
+template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false>
 static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
                         int n_head, int n_head_kv, float *out) {
     qc_cuda *cu = qc_cuda_of(be);
@@ -423,7 +438,7 @@ static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const
         return qc_cuda_value_error(be, "attention: %lld rows per KV head is too many", (long long)rows);
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const dim3 grid((unsigned)n_rt, (unsigned)n_head_kv, SPLITS);
-    qc_launch(cu, qc_flash_attention_kernel<D, WARPS, SPLITS, KW>, grid, dim3(L::THREADS), L::bytes, q,
+    qc_launch(cu, qc_flash_attention_kernel<D, WARPS, SPLITS, KW, EARLY>, grid, dim3(L::THREADS), L::bytes, q,
               (const __half *)cache.k, (const __half *)cache.v, pos, n, n_head, n_head_kv, scale_log2, out,
               cu->attn_part, cu->attn_done);
     return QC_LAUNCHED(be, "qc_flash_attention_kernel");
@@ -431,9 +446,9 @@ static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const
 
 /* More than 48 KiB of dynamic shared memory must be allowed per kernel, once, outside any graph
  * capture: at backend creation. */
-template <int D, int WARPS, int SPLITS, int KW>
+template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false>
 static int allow_smem(qc_backend *be) {
-    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS, SPLITS, KW>,
+    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS, SPLITS, KW, EARLY>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)qc_fa_smem<D, WARPS, KW>::bytes));
 }
@@ -441,7 +456,9 @@ static int allow_smem(qc_backend *be) {
 int qc_cuda_flash_attention_init(qc_backend *be) {
     if (allow_smem<64, QC_FA_PREFILL_WARPS, 1, 1>(be) < 0 || allow_smem<128, QC_FA_PREFILL_WARPS, 1, 1>(be) < 0 ||
         allow_smem<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64)>(be) < 0 ||
-        allow_smem<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128)>(be) < 0)
+        allow_smem<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128)>(be) < 0 ||
+        allow_smem<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64), true>(be) < 0 ||
+        allow_smem<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128), true>(be) < 0)
         return -1;
     return 0;
 }
@@ -464,6 +481,10 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
         return qc_cuda_value_error(be, "attention: n_head %d is not a multiple of n_head_kv %d", n_head, n_head_kv);
     if (head_dim != 64 && head_dim != 128)
         return qc_cuda_value_error(be, "flash attention: head_dim %d is not 64 or 128", head_dim);
+    if (n <= QC_GEMV_MAX_TOKENS && decode_split_fits(n, n_head, n_head_kv, head_dim) && qc_cuda_of(be)->flash_early)
+        return head_dim == 64
+                   ? launch_flash<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64), true>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                   : launch_flash<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128), true>(be, q, cache, pos, n, n_head, n_head_kv, out);
     if (n <= QC_GEMV_MAX_TOKENS && decode_split_fits(n, n_head, n_head_kv, head_dim))
         return head_dim == 64
                    ? launch_flash<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64)>(be, q, cache, pos, n, n_head, n_head_kv, out)

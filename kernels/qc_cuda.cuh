@@ -61,6 +61,10 @@ typedef struct qc_cuda {
      * keys (1), or always the fp32 split-K kernel reading f16 (0: QWENCUDA_DECODE_ATTENTION=split
      * at creation, to compare) */
     int flash_decode;
+    /* and its blocks load their first tile of keys below the eval's first position before their
+     * wait (flash_attention.cu, EARLY): QWENCUDA_FLASH_EARLY=1 at creation (an experiment, off
+     * by default: not yet run on a GPU) */
+    int flash_early;
     /* the decode GEMV of the 8-bit formats on 8-bit activations (1, qc_gemv_q8.cuh), or the
      * float GEMV everywhere (0: device "cuda:float"); q8x holds the quantized
      * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */

@@ -312,6 +312,31 @@ def test_flash_prefill_and_decode_match_the_exact_path(paths, config, n_prompt):
         assert (np.argmax(a, 1)[clear] == np.argmax(b, 1)[clear]).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(LONG_CONFIGS))
+def test_flash_decode_first_tile_before_the_wait_changes_no_bit(paths, config, monkeypatch):
+    """QWENCUDA_FLASH_EARLY=1 (flash_attention.cu, EARLY): each key warp of the flash decode asks
+    for its first tile before the kernel's wait where all of its keys are below the step's
+    position. After 3300 tokens the key warps' first tiles are tiles 0..51: 0..50 lie below the
+    position, 51 holds it (the key this step writes), so both ways are taken. Only when the loads
+    are issued moves: the logits of replayed and op-by-op steps equal the default's bit for bit."""
+    n_prompt = 3300
+    ids = ids_for(n_prompt + 6, seed=4)
+    out = {}
+    for early in ("0", "1"):
+        for graphs in (True, False):
+            with monkeypatch.context() as mp:
+                mp.setenv("QWENCUDA_FLASH_EARLY", early)
+                if not graphs:
+                    mp.setenv("QWENCUDA_NO_GRAPHS", "1")
+                with qc.Model(paths(config, "q8_0"), device="cuda") as m:
+                    s = m.session(max_context=n_prompt + 8, kv_type="f16")
+                    s.prefill([int(t) for t in ids[:n_prompt]])
+                    out[early, graphs] = np.array([s.step(int(t)).logits[0] for t in ids[n_prompt:]])
+    for key, logits in out.items():
+        np.testing.assert_array_equal(logits, out["0", True], err_msg=str(key))
+
+
 # ---- depth parity with llama.cpp on the real model ------------------------------------------
 
 DEPTH = os.path.join(DATA, "llamacpp_depth.json")
