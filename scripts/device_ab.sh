@@ -24,7 +24,8 @@
 #   scripts/device_ab.sh bench MODEL [ROUNDS] [ENV...]
 #       `python -m qwencuda bench` (prompt 512, depths 0 and 2048, 128 tokens, 3 repeats) of base,
 #       then new, ROUNDS (3) times; ENV (NAME=value words) applies to new only, so that one build
-#       also A/Bs a switch read at creation (QWENCUDA_*=0).
+#       also A/Bs a switch read at creation (QWENCUDA_*=0). DEPTHS (words) replaces "0 2048", e.g.
+#       DEPTHS="8192 16384" for the flash decode past QC_KV_SHORT keys.
 #   scripts/device_ab.sh setup-stamps     after setup, in a call that carries .dev/*-st.*: the
 #                                         stamped builds into /tmp/base-st and /tmp/new-st
 #   scripts/device_ab.sh stamps MODEL [STEPS] [ENV...]
@@ -112,8 +113,9 @@ bench)
     for r in $(seq "$rounds"); do
         for v in base new; do
             echo "== round $r $v"
+            # shellcheck disable=SC2086  # (DEPTHS: words)
             as_build $v PYTHONPATH=/tmp/$v:/tmp/site python -m qwencuda bench --model "$model" \
-                --prompt-tokens 512 --depth 0 2048 --gen-tokens 128 --repeats 3 2>&1 | grep -E "decode  "
+                --prompt-tokens 512 --depth ${DEPTHS:-0 2048} --gen-tokens 128 --repeats 3 2>&1 | grep -E "decode  "
         done
     done
     ;;
