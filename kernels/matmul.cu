@@ -266,7 +266,7 @@ qc_gemv_q8_add_norm_kernel(const uint8_t *__restrict__ W, int64_t row_bytes, int
  * weight's start named as every launch's access policy window (hitRatio 1, persisting). Decode
  * at 512 keys 2371.0, 2380.3 tok/s with 30 MB kept, 2377.8, 2374.3 with 16, 2353.0, 2356.4 with
  * 37.5, against 2381.5, 2381.8 (base) and 2379.2, 2378.7 (the switch at 0); at 2560 keys 37.5 MB
- * lost 1.8%. ncu (clocks as they were, caches not flushed) counted 144.68 MB of DRAM reads in
+ * lost 1.8%. ncu (caches not flushed, its default locked clocks) counted 144.68 MB of DRAM reads in
  * this kernel with 30 MB kept and without, and 1.4% L2 hits (17.8% with QWENCUDA_WEIGHTS_SHARED=0,
  * the prefetched lines): no line stayed. A probe of the same calls (30 MB read after 256 MB
  * streamed past it) took 12.7 us with the launch's window against 13.8 without. */
