@@ -444,6 +444,17 @@ static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const
     return QC_LAUNCHED(be, "qc_flash_attention_kernel");
 }
 
+/* A decode step's split kernel at head_dim D, its first tiles before the wait or after it
+ * (cu->flash_early) */
+template <int D>
+static int launch_decode(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n, int n_head,
+                         int n_head_kv, float *out) {
+    constexpr int KW = QC_FA_DECODE_KW(D);
+    return qc_cuda_of(be)->flash_early
+               ? launch_flash<D, QC_FA_DECODE_WARPS, QC_FA_SPLITS, KW, true>(be, q, cache, pos, n, n_head, n_head_kv, out)
+               : launch_flash<D, QC_FA_DECODE_WARPS, QC_FA_SPLITS, KW>(be, q, cache, pos, n, n_head, n_head_kv, out);
+}
+
 /* More than 48 KiB of dynamic shared memory must be allowed per kernel, once, outside any graph
  * capture: at backend creation. */
 template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false>
@@ -481,14 +492,9 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
         return qc_cuda_value_error(be, "attention: n_head %d is not a multiple of n_head_kv %d", n_head, n_head_kv);
     if (head_dim != 64 && head_dim != 128)
         return qc_cuda_value_error(be, "flash attention: head_dim %d is not 64 or 128", head_dim);
-    if (n <= QC_GEMV_MAX_TOKENS && decode_split_fits(n, n_head, n_head_kv, head_dim) && qc_cuda_of(be)->flash_early)
-        return head_dim == 64
-                   ? launch_flash<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64), true>(be, q, cache, pos, n, n_head, n_head_kv, out)
-                   : launch_flash<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128), true>(be, q, cache, pos, n, n_head, n_head_kv, out);
     if (n <= QC_GEMV_MAX_TOKENS && decode_split_fits(n, n_head, n_head_kv, head_dim))
-        return head_dim == 64
-                   ? launch_flash<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64)>(be, q, cache, pos, n, n_head, n_head_kv, out)
-                   : launch_flash<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128)>(be, q, cache, pos, n, n_head, n_head_kv, out);
+        return head_dim == 64 ? launch_decode<64>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                              : launch_decode<128>(be, q, cache, pos, n, n_head, n_head_kv, out);
     return head_dim == 64 ? launch_flash<64, QC_FA_PREFILL_WARPS, 1, 1>(be, q, cache, pos, n, n_head, n_head_kv, out)
                           : launch_flash<128, QC_FA_PREFILL_WARPS, 1, 1>(be, q, cache, pos, n, n_head, n_head_kv, out);
 }
