@@ -48,8 +48,11 @@
 /* Key splits of a decode step (a compile-time count: the merge's loads unroll). Measured on an
  * H100 (0.5B Q4_K_M, decode tok/s at depth 4097 / 16385, splits x key warps): 128 x 2 666 / 631,
  * 64 x 4 817 / 751, 32 x 4 814..861 / 759..794, 16 x 4 878 / 759, 8 x 4 861 / 684: fewer
- * splits means fewer partials for the last block to merge, too few leave SMs idle. */
+ * splits means fewer partials for the last block to merge, too few leave SMs idle.
+ * QC_FA_SPLITS_FEW: the other count a backend made with QWENCUDA_FLASH_SPLITS=16 takes (an
+ * experiment, off by default, not yet run on the H200: cu->flash_splits). */
 #define QC_FA_SPLITS 32
+#define QC_FA_SPLITS_FEW 16
 
 /* ---- tensor-core and copy primitives (sm_80+) ------------------------------------------- */
 
@@ -444,15 +447,22 @@ static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const
     return QC_LAUNCHED(be, "qc_flash_attention_kernel");
 }
 
-/* A decode step's split kernel at head_dim D, its first tiles before the wait or after it
- * (cu->flash_early) */
+/* A decode step's split kernel at head_dim D: its first tiles before the wait or after it
+ * (cu->flash_early), in cu->flash_splits splits */
+template <int D, int SPLITS>
+static int launch_decode_s(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n, int n_head,
+                           int n_head_kv, float *out) {
+    constexpr int KW = QC_FA_DECODE_KW(D);
+    return qc_cuda_of(be)->flash_early
+               ? launch_flash<D, QC_FA_DECODE_WARPS, SPLITS, KW, true>(be, q, cache, pos, n, n_head, n_head_kv, out)
+               : launch_flash<D, QC_FA_DECODE_WARPS, SPLITS, KW>(be, q, cache, pos, n, n_head, n_head_kv, out);
+}
 template <int D>
 static int launch_decode(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n, int n_head,
                          int n_head_kv, float *out) {
-    constexpr int KW = QC_FA_DECODE_KW(D);
-    return qc_cuda_of(be)->flash_early
-               ? launch_flash<D, QC_FA_DECODE_WARPS, QC_FA_SPLITS, KW, true>(be, q, cache, pos, n, n_head, n_head_kv, out)
-               : launch_flash<D, QC_FA_DECODE_WARPS, QC_FA_SPLITS, KW>(be, q, cache, pos, n, n_head, n_head_kv, out);
+    return qc_cuda_of(be)->flash_splits == QC_FA_SPLITS_FEW
+               ? launch_decode_s<D, QC_FA_SPLITS_FEW>(be, q, cache, pos, n, n_head, n_head_kv, out)
+               : launch_decode_s<D, QC_FA_SPLITS>(be, q, cache, pos, n, n_head, n_head_kv, out);
 }
 
 /* More than 48 KiB of dynamic shared memory must be allowed per kernel, once, outside any graph
@@ -464,12 +474,19 @@ static int allow_smem(qc_backend *be) {
                                             (int)qc_fa_smem<D, WARPS, KW>::bytes));
 }
 
+/* every decode variant of head_dim D in SPLITS splits */
+template <int D, int SPLITS>
+static int allow_decode_smem(qc_backend *be) {
+    return allow_smem<D, QC_FA_DECODE_WARPS, SPLITS, QC_FA_DECODE_KW(D)>(be) < 0 ||
+                   allow_smem<D, QC_FA_DECODE_WARPS, SPLITS, QC_FA_DECODE_KW(D), true>(be) < 0
+               ? -1
+               : 0;
+}
+
 int qc_cuda_flash_attention_init(qc_backend *be) {
     if (allow_smem<64, QC_FA_PREFILL_WARPS, 1, 1>(be) < 0 || allow_smem<128, QC_FA_PREFILL_WARPS, 1, 1>(be) < 0 ||
-        allow_smem<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64)>(be) < 0 ||
-        allow_smem<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128)>(be) < 0 ||
-        allow_smem<64, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(64), true>(be) < 0 ||
-        allow_smem<128, QC_FA_DECODE_WARPS, QC_FA_SPLITS, QC_FA_DECODE_KW(128), true>(be) < 0)
+        allow_decode_smem<64, QC_FA_SPLITS>(be) < 0 || allow_decode_smem<128, QC_FA_SPLITS>(be) < 0 ||
+        allow_decode_smem<64, QC_FA_SPLITS_FEW>(be) < 0 || allow_decode_smem<128, QC_FA_SPLITS_FEW>(be) < 0)
         return -1;
     return 0;
 }

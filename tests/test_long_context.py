@@ -337,6 +337,32 @@ def test_flash_decode_first_tile_before_the_wait_changes_no_bit(paths, config, m
         np.testing.assert_array_equal(logits, out["0", True], err_msg=str(key))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", sorted(LONG_CONFIGS))
+def test_flash_decode_in_16_splits_matches_32(paths, config, monkeypatch):
+    """QWENCUDA_FLASH_SPLITS=16 (flash_attention.cu, QC_FA_SPLITS_FEW): the flash decode's keys in
+    16 splits, not 32. The same tiles' scores, merged in other groups: float rounding apart, so on
+    the float GEMVs (device cuda:float: no 8-bit input to round a quant the other way) the logits
+    agree within 1e-3 of their scale (a split left out of the merge, or merged twice, moves every
+    logit by far more); with its first tiles before the wait (QWENCUDA_FLASH_EARLY=1) bit for bit
+    the same as without."""
+    n_prompt = 3300
+    ids = ids_for(n_prompt + 6, seed=5)
+    out = {}
+    for splits, early in (("32", "0"), ("16", "0"), ("16", "1")):
+        with monkeypatch.context() as mp:
+            mp.setenv("QWENCUDA_FLASH_SPLITS", splits)
+            mp.setenv("QWENCUDA_FLASH_EARLY", early)
+            with qc.Model(paths(config, "q8_0"), device="cuda:float") as m:
+                s = m.session(max_context=n_prompt + 8, kv_type="f16")
+                s.prefill([int(t) for t in ids[:n_prompt]])
+                out[splits, early] = np.array([s.step(int(t)).logits[0] for t in ids[n_prompt:]])
+    np.testing.assert_array_equal(out["16", "1"], out["16", "0"])
+    a, b = out["32", "0"], out["16", "0"]
+    err = np.abs(b - a).max() / np.abs(a).max()
+    assert err < 1e-3, (config, err)
+
+
 # ---- depth parity with llama.cpp on the real model ------------------------------------------
 
 DEPTH = os.path.join(DATA, "llamacpp_depth.json")
