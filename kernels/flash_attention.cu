@@ -50,7 +50,7 @@
  * 64 x 4 817 / 751, 32 x 4 814..861 / 759..794, 16 x 4 878 / 759, 8 x 4 861 / 684: fewer
  * splits means fewer partials for the last block to merge, too few leave SMs idle.
  * QC_FA_SPLITS_FEW: the other count a backend made with QWENCUDA_FLASH_SPLITS=16 takes (an
- * experiment, off by default, not yet run on the H200: cu->flash_splits). */
+ * experiment, off by default, not yet run on a GPU: cu->flash_splits_few). */
 #define QC_FA_SPLITS 32
 #define QC_FA_SPLITS_FEW 16
 
@@ -168,6 +168,20 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     const int n_tiles = kmax / QC_FA_BC + 1;
     const __half *kbase = k_cache + (int64_t)kvh * D, *vbase = v_cache + (int64_t)kvh * D;
 
+    /* stage Q (f16): q is the kernel before's, so after the wait (EARLY: below) */
+    auto stage_q = [&]() {
+        for (int i = tid; i < R * (D / 2); i += NTH) {
+            const int rr = i / (D / 2), d = 2 * (i % (D / 2)), r = row0 + rr;
+            float2 v = make_float2(0.0f, 0.0f);
+            if (r < total_rows) {
+                const int t = r / G, h = kvh * G + r % G;
+                v = *reinterpret_cast<const float2 *>(q + ((int64_t)t * n_head + h) * D + d);
+            }
+            *reinterpret_cast<__half2 *>(Qs + rr * LD + d) = __floats2half2_rn(v.x, v.y);
+        }
+    };
+    if constexpr (!EARLY) stage_q();
+
     /* one tile of K and V into buffer b; keys past kmax are zero-filled */
     auto load_tile = [&](int tile, int b) {
         __half *ks = Ks + b * L::tile_halves, *vs = Vs + b * L::tile_halves;
@@ -186,19 +200,10 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
      * position (no kernel of this eval writes those) */
     const bool first_early = EARLY && tile < n_tiles && (tile + 1) * QC_FA_BC <= pos[row0 / G];
     if (first_early) load_tile(tile, 0);
-    if constexpr (EARLY) qc_grid_start();
-
-    /* stage Q (f16) */
-    for (int i = tid; i < R * (D / 2); i += NTH) {
-        const int rr = i / (D / 2), d = 2 * (i % (D / 2)), r = row0 + rr;
-        float2 v = make_float2(0.0f, 0.0f);
-        if (r < total_rows) {
-            const int t = r / G, h = kvh * G + r % G;
-            v = *reinterpret_cast<const float2 *>(q + ((int64_t)t * n_head + h) * D + d);
-        }
-        *reinterpret_cast<__half2 *>(Qs + rr * LD + d) = __floats2half2_rn(v.x, v.y);
+    if constexpr (EARLY) {
+        qc_grid_start();
+        stage_q();
     }
-
     if (!first_early && tile < n_tiles) load_tile(tile, 0);
     qc_cp_async_commit();
     __syncthreads();   /* Q staged */
@@ -448,7 +453,7 @@ static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const
 }
 
 /* A decode step's split kernel at head_dim D: its first tiles before the wait or after it
- * (cu->flash_early), in cu->flash_splits splits */
+ * (cu->flash_early), in QC_FA_SPLITS or QC_FA_SPLITS_FEW splits (cu->flash_splits_few) */
 template <int D, int SPLITS>
 static int launch_decode_s(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n, int n_head,
                            int n_head_kv, float *out) {
@@ -460,7 +465,7 @@ static int launch_decode_s(qc_backend *be, const float *q, qc_kv_cache cache, co
 template <int D>
 static int launch_decode(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n, int n_head,
                          int n_head_kv, float *out) {
-    return qc_cuda_of(be)->flash_splits == QC_FA_SPLITS_FEW
+    return qc_cuda_of(be)->flash_splits_few
                ? launch_decode_s<D, QC_FA_SPLITS_FEW>(be, q, cache, pos, n, n_head, n_head_kv, out)
                : launch_decode_s<D, QC_FA_SPLITS>(be, q, cache, pos, n, n_head, n_head_kv, out);
 }
@@ -477,10 +482,9 @@ static int allow_smem(qc_backend *be) {
 /* every decode variant of head_dim D in SPLITS splits */
 template <int D, int SPLITS>
 static int allow_decode_smem(qc_backend *be) {
-    return allow_smem<D, QC_FA_DECODE_WARPS, SPLITS, QC_FA_DECODE_KW(D)>(be) < 0 ||
-                   allow_smem<D, QC_FA_DECODE_WARPS, SPLITS, QC_FA_DECODE_KW(D), true>(be) < 0
-               ? -1
-               : 0;
+    constexpr int KW = QC_FA_DECODE_KW(D);
+    if (allow_smem<D, QC_FA_DECODE_WARPS, SPLITS, KW>(be) < 0) return -1;
+    return allow_smem<D, QC_FA_DECODE_WARPS, SPLITS, KW, true>(be);
 }
 
 int qc_cuda_flash_attention_init(qc_backend *be) {

@@ -65,9 +65,9 @@ typedef struct qc_cuda {
      * wait (flash_attention.cu, EARLY): QWENCUDA_FLASH_EARLY=1 at creation (an experiment, off
      * by default: not yet run on a GPU) */
     int flash_early;
-    /* and in how many key splits: 16 where QWENCUDA_FLASH_SPLITS=16 at creation (an experiment,
-     * not yet run on the H200), else 32 (flash_attention.cu, QC_FA_SPLITS) */
-    int flash_splits;
+    /* and in QC_FA_SPLITS_FEW (16) key splits, not QC_FA_SPLITS (32; flash_attention.cu):
+     * QWENCUDA_FLASH_SPLITS=16 at creation (an experiment, off by default: not yet run on a GPU) */
+    int flash_splits_few;
     /* the decode GEMV of the 8-bit formats on 8-bit activations (1, qc_gemv_q8.cuh), or the
      * float GEMV everywhere (0: device "cuda:float"); q8x holds the quantized
      * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */

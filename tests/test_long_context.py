@@ -14,6 +14,8 @@ import pytest
 import qwencuda as qc
 from qwencuda import kernels, testing
 
+from engine_util import cuda_kernel_ran
+
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 # head_dim 64 with 7 query heads per KV head (Qwen2.5-0.5B's grouping), head_dim 128 (1.5B..72B)
@@ -312,6 +314,29 @@ def test_flash_prefill_and_decode_match_the_exact_path(paths, config, n_prompt):
         assert (np.argmax(a, 1)[clear] == np.argmax(b, 1)[clear]).all()
 
 
+def _flash_decode_kernel(head_dim, splits, early):
+    """The name the profiler gives the flash decode instantiation (flash_attention.cu's template
+    arguments: D, one row warp, SPLITS, QC_FA_DECODE_KW(D) key warps, EARLY)."""
+    key_warps = 4 if head_dim == 64 else 2
+    return f"qc_flash_attention_kernel<{head_dim}, 1, {splits}, {key_warps}, {'true' if early else 'false'}>"
+
+
+def _flash_steps(monkeypatch, path, device, ids, n_prompt, env, graphs, kernel):
+    """Logits of the steps after an n_prompt-token prefill, in a model made under env, and whether
+    its last step ran `kernel` (the instantiation env means; None without torch's profiler)."""
+    with monkeypatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        if not graphs:
+            mp.setenv("QWENCUDA_NO_GRAPHS", "1")
+        with qc.Model(path, device=device) as m:
+            s = m.session(max_context=n_prompt + 8, kv_type="f16")
+            s.prefill([int(t) for t in ids[:n_prompt]])
+            logits = np.array([s.step(int(t)).logits[0] for t in ids[n_prompt:-1]])
+            ran = cuda_kernel_ran(lambda: s.step(int(ids[-1])), kernel(m.config.head_dim))
+        return logits, ran
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", sorted(LONG_CONFIGS))
 def test_flash_decode_first_tile_before_the_wait_changes_no_bit(paths, config, monkeypatch):
@@ -321,18 +346,14 @@ def test_flash_decode_first_tile_before_the_wait_changes_no_bit(paths, config, m
     position, 51 holds it (the key this step writes), so both ways are taken. Only when the loads
     are issued moves: the logits of replayed and op-by-op steps equal the default's bit for bit."""
     n_prompt = 3300
-    ids = ids_for(n_prompt + 6, seed=4)
+    ids = ids_for(n_prompt + 7, seed=4)
     out = {}
     for early in ("0", "1"):
         for graphs in (True, False):
-            with monkeypatch.context() as mp:
-                mp.setenv("QWENCUDA_FLASH_EARLY", early)
-                if not graphs:
-                    mp.setenv("QWENCUDA_NO_GRAPHS", "1")
-                with qc.Model(paths(config, "q8_0"), device="cuda") as m:
-                    s = m.session(max_context=n_prompt + 8, kv_type="f16")
-                    s.prefill([int(t) for t in ids[:n_prompt]])
-                    out[early, graphs] = np.array([s.step(int(t)).logits[0] for t in ids[n_prompt:]])
+            out[early, graphs], ran = _flash_steps(
+                monkeypatch, paths(config, "q8_0"), "cuda", ids, n_prompt, {"QWENCUDA_FLASH_EARLY": early},
+                graphs, lambda hd: _flash_decode_kernel(hd, 32, early == "1"))
+            assert ran in (None, True), (early, graphs)   # the instantiation the switch names ran
     for key, logits in out.items():
         np.testing.assert_array_equal(logits, out["0", True], err_msg=str(key))
 
@@ -347,16 +368,14 @@ def test_flash_decode_in_16_splits_matches_32(paths, config, monkeypatch):
     logit by far more); with its first tiles before the wait (QWENCUDA_FLASH_EARLY=1) bit for bit
     the same as without."""
     n_prompt = 3300
-    ids = ids_for(n_prompt + 6, seed=5)
+    ids = ids_for(n_prompt + 7, seed=5)
     out = {}
     for splits, early in (("32", "0"), ("16", "0"), ("16", "1")):
-        with monkeypatch.context() as mp:
-            mp.setenv("QWENCUDA_FLASH_SPLITS", splits)
-            mp.setenv("QWENCUDA_FLASH_EARLY", early)
-            with qc.Model(paths(config, "q8_0"), device="cuda:float") as m:
-                s = m.session(max_context=n_prompt + 8, kv_type="f16")
-                s.prefill([int(t) for t in ids[:n_prompt]])
-                out[splits, early] = np.array([s.step(int(t)).logits[0] for t in ids[n_prompt:]])
+        out[splits, early], ran = _flash_steps(
+            monkeypatch, paths(config, "q8_0"), "cuda:float", ids, n_prompt,
+            {"QWENCUDA_FLASH_SPLITS": splits, "QWENCUDA_FLASH_EARLY": early}, False,
+            lambda hd: _flash_decode_kernel(hd, int(splits), early == "1"))
+        assert ran in (None, True), (splits, early)
     np.testing.assert_array_equal(out["16", "1"], out["16", "0"])
     a, b = out["32", "0"], out["16", "0"]
     err = np.abs(b - a).max() / np.abs(a).max()
