@@ -236,8 +236,25 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
     /* out is rewritten: q8x no longer holds its 8-bit form, unless the split kernel leaves it */
     cu->q8x_of = NULL;
     /* an F16 cache without captured scores: the tensor-core kernels (flash_attention.cu) */
-    if (!scores && !probs && takes_flash(be, cache.type, n, n_kv, head_dim))
-        return qc_cuda_flash_attention(be, q, cache, pos, n, n_head, n_head_kv, head_dim, out);
+    const int64_t q_dim = (int64_t)n_head * head_dim;
+    /* one token's output also leaves its 8-bit form in q8x (cu->q8x_of), quantized with
+     * qc_quantize_q8_kernel's bits by the kernel that writes it (the split kernels' merge, the
+     * flash decode's): the o projection's matmul_add reads it there instead of launching the
+     * quantization */
+    const int with_q8 = n == 1 && cu->gemv_q8 && head_dim % 32 == 0 && q_dim <= QC_Q8X_MAX_COLS;
+    int8_t *out_qs = with_q8 ? (int8_t *)cu->q8x : nullptr;
+    float2 *out_ds = with_q8 ? qc_q8x_ds_at(cu->q8x, 1, q_dim) : nullptr;
+    if (!scores && !probs && takes_flash(be, cache.type, n, n_kv, head_dim)) {
+        const int q8_left = qc_cuda_flash_attention(be, q, cache, pos, n, n_head, n_head_kv, head_dim, out, out_qs,
+                                                    out_ds);
+        if (q8_left < 0) return -1;
+        if (q8_left) {
+            cu->q8x_of = out;
+            cu->q8x_cols = q_dim;
+            cu->q8x_of_at = cu->q8x;
+        }
+        return 0;
+    }
     if (n > 65535) return qc_cuda_value_error(be, "attention: %d queries in one call (at most 65535)", n);
     const int G = qc_att_group_lanes(head_dim);
     const float scale = 1.0f / sqrtf((float)head_dim);
@@ -247,13 +264,7 @@ int qc_cuda_attention(qc_backend *be, const float *q, qc_kv_cache cache, const i
         const int groups = QC_ATT_SPLIT_THREADS / G;
         const size_t smem = (size_t)groups * (size_t)(2 + head_dim) * sizeof(float);
         const dim3 grid((unsigned)n_head, QC_ATT_SPLITS, (unsigned)n);
-        /* one token's output also leaves its 8-bit form in q8x (cu->q8x_of), quantized from
-         * registers with qc_quantize_q8_kernel's bits (qc_att_merge_splits): the o projection's
-         * matmul_add reads it there instead of launching the quantization */
-        const int64_t q_dim = (int64_t)n_head * head_dim;
-        const int with_q8 = n == 1 && cu->gemv_q8 && head_dim % 32 == 0 && q_dim <= QC_Q8X_MAX_COLS;
-        int8_t *out_qs = with_q8 ? (int8_t *)cu->q8x : nullptr;
-        float2 *out_ds = with_q8 ? qc_q8x_ds_at(cu->q8x, 1, q_dim) : nullptr;
+        /* (the merge quantizes from registers: qc_att_merge_splits) */
         if (cu->clusters && qc_att_cluster_takes(G, head_dim)) {
             if (cache.type == QC_KV_F16)
                 launch_cluster<__half>(G, head_dim, grid, cu, q, (const __half *)cache.k, (const __half *)cache.v, pos,

@@ -534,10 +534,9 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
     {
         const char *decode = getenv("QWENCUDA_DECODE_ATTENTION");
         cu->flash_decode = !(decode && strcmp(decode, "split") == 0);
-        const char *flash_early = getenv("QWENCUDA_FLASH_EARLY");
-        cu->flash_early = flash_early && strcmp(flash_early, "1") == 0;
-        const char *flash_splits = getenv("QWENCUDA_FLASH_SPLITS");
-        cu->flash_splits_few = flash_splits && strcmp(flash_splits, "16") == 0;
+        cu->flash_early = env_on("QWENCUDA_FLASH_EARLY");
+        const char *flash_merge = getenv("QWENCUDA_FLASH_MERGE");
+        cu->flash_tail = flash_merge && strcmp(flash_merge, "tail") == 0;
         int sm90 = 0;
         if (sm90_code(be, &sm90) < 0) {
             qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

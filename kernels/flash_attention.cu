@@ -20,11 +20,13 @@
  * Decode and short evals (n <= QC_GEMV_MAX_TOKENS) have few rows: the key tiles are dealt to
  * SPLITS blocks of KW warps (warp w of block z takes tiles z * KW + w, then every SPLITS * KW),
  * each warp with K/V buffers of its own; the block's warps merge through shared memory, and
- * each block writes its rows' partial (m, l, O) to
- * cu->attn_part, and the last block of a row tile to finish (cu->attn_done) merges them, as
- * attention.cu's split-K kernel does. SPLITS is a template constant so that the merge's loads
- * of every split's partial are issued together (unrolled), not one L2 round trip after another. The grid depends on the shapes only, never on the
- * positions (read from device memory), so the decode step replays as a CUDA graph.
+ * each block writes its rows' partial (m, l, O) to cu->attn_part; the launch after it merges
+ * them, a warp a block of 32 outputs (qc_flash_merge_kernel, below; QWENCUDA_FLASH_MERGE=tail:
+ * the last block of a row tile to finish (cu->attn_done) merges, as attention.cu's split-K
+ * kernel does). SPLITS is a template constant so that the merge's loads of every split's
+ * partial are issued together (unrolled), not one L2 round trip after another. The grid depends
+ * on the shapes only, never on the positions (read from device memory), so the decode step
+ * replays as a CUDA graph.
  *
  * Measured and not kept (H200, real file, one lease, 2026-12-04; report 20261204-2b650a3-*): a
  * decode step past QC_KV_SHORT keys runs seven launches a layer where the one-launch attention's
@@ -38,8 +40,10 @@
  * 1494.3, 1503.0 tok/s at 8704 keys against 1494.1, 1504.1, 1500.4, and 1429.2, 1425.9, 1434.5 at
  * 16896 against 1421.4, 1418.2, 1423.6. What the step waits for at long contexts is this kernel:
  * 64 blocks (2 KV heads x 32 splits) of 128 threads, 9.7 us a layer at 8704 keys and 11.1 at
- * 16896, whose 2.2-4.3 MB of keys and values a layer take HBM about 1 us. */
+ * 16896, whose 2.2-4.3 MB of keys and values a layer take HBM about 1 us. Its last block's merge
+ * was most of that: qc_flash_merge_kernel's comment. */
 #include "qc_cuda.cuh"
+#include "qc_gemv_q8.cuh"
 
 #define QC_FA_BC 64                /* keys per tile */
 #define QC_FA_PREFILL_WARPS 4      /* 64 rows per block, one warp per 16 rows */
@@ -49,10 +53,12 @@
  * H100 (0.5B Q4_K_M, decode tok/s at depth 4097 / 16385, splits x key warps): 128 x 2 666 / 631,
  * 64 x 4 817 / 751, 32 x 4 814..861 / 759..794, 16 x 4 878 / 759, 8 x 4 861 / 684: fewer
  * splits means fewer partials for the last block to merge, too few leave SMs idle.
- * QC_FA_SPLITS_FEW: the other count a backend made with QWENCUDA_FLASH_SPLITS=16 takes (an
- * experiment, off by default, not yet run on a GPU: cu->flash_splits_few). */
+ * On the H200 (real file, three alternating rounds a variant in one lease against 32 x 4,
+ * 2026-12-04; report 20261204-1ebaa91-*-ab): 16 x 4 1499.0-1502.8 tok/s at 8704 keys against
+ * 1528.7-1532.1 and 1357.5-1373.5 at 16896 against 1449.3-1455.7 (-2%, -6%); 64 x 4 (its
+ * merge staged in shared memory: the note at the merge) 1432.1-1439.4 against 1517.6-1527.3 and
+ * 1361.2-1365.9 against 1446.3-1457.6 (-6%, -6%). Neither kept. */
 #define QC_FA_SPLITS 32
-#define QC_FA_SPLITS_FEW 16
 
 /* ---- tensor-core and copy primitives (sm_80+) ------------------------------------------- */
 
@@ -131,8 +137,13 @@ struct qc_fa_smem {
  * runs under the kernel before (q, k and v with RoPE) instead of after the wait. The same tiles
  * in the same buffers: the same bits. Why: past QC_KV_SHORT keys the step waits on this kernel,
  * about 10 us a layer for 2-4 MB of keys and values (report 20261204-2b650a3-*), and at 8704
- * keys a key warp walks one or two tiles, the first of them after the wait. */
-template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false>
+ * keys a key warp walks one or two tiles, the first of them after the wait.
+ * Measured (H200, real file, 1ebaa91 with QWENCUDA_FLASH_EARLY=1 against without, three
+ * alternating rounds in one lease, 2026-12-04; report 20261204-1ebaa91-*-ab): 1532.2-1537.9
+ * tok/s at 8704 keys against 1521.1-1525.3, 1456.2-1457.8 at 16896 against 1448.8-1454.7
+ * (+0.7%, +0.3%): the decode's default since (cu->flash_early; QWENCUDA_FLASH_EARLY=0 at
+ * creation, to compare). */
+template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false, bool TAIL = false>
 __global__ void __launch_bounds__(32 * WARPS * KW)
 qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict__ k_cache,
                           const __half *__restrict__ v_cache, const int32_t *__restrict__ pos,
@@ -371,12 +382,13 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
                     make_float2(o[dt][2 * half] * inv, o[dt][2 * half + 1] * inv);
         }
     } else {
-        /* split: publish (m, l, O) of both rows (key warp 0 holds the block's), count the
-         * split; the last block merges */
+        /* split: publish (m, l, O) of both rows (key warp 0 holds the block's); the merge is
+         * the next launch's (qc_flash_merge_kernel), or with TAIL the last block's to count */
         const int64_t pair = (int64_t)kvh * n_rt + rt;
         if (kw == 0)
             qc_fa_put_rows<D>(part + (pair * splits + split) * (int64_t)R * (D + 2), ra, rb, c, m_a, m_b,
                               l_a, l_b, o);
+        if constexpr (!TAIL) return;
         __threadfence();
         __syncthreads();
         if (tid == 0) {
@@ -388,7 +400,14 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
         __threadfence();
 
         /* weights 2^(m_s - M) / L per row and split, in the (now idle) K buffers: LPR lanes per row,
-         * each over SPL splits, every load of a lane issued at once */
+         * each over SPL splits, every load of a lane issued at once.
+         * Measured and not kept (H200, real file, three alternating rounds in one lease,
+         * 2026-12-04; report 20261204-1ebaa91-*-ab): the row tile's partials staged into the idle
+         * K/V buffers first by one round of cp.async (CH rows of every split at a time, even rows
+         * so that every 16-byte piece lines up), then both passes from shared memory, the same
+         * bits, so that the merge waits one L2 round trip, not three: 1514.7-1520.4 tok/s at 8704
+         * keys against 1520.9-1528.7, 1434.7-1439.5 at 16896 against 1440.6-1444.8 (-0.4%). (A guess
+         * at why: the block's 59 KB come into one SM either way.) */
         constexpr int LPR = NTH / R, SPL = SPLITS / LPR;
         static_assert(LPR >= 1 && (LPR & (LPR - 1)) == 0 && SPLITS % LPR == 0, "lanes per merged row");
         static_assert(R * SPLITS <= QC_FA_BC * LD, "the merge weights fit in the K buffers");
@@ -433,9 +452,64 @@ qc_flash_attention_kernel(const float *__restrict__ q, const __half *__restrict_
     }
 }
 
+/* ---- the merge of a decode's splits ------------------------------------------------------
+ * One warp a block of 32 output values (a token's query head, columns 32c .. 32c + 31): lane s
+ * loads split s's (m, l) of the row, and every lane its column of every split's O, all at once
+ * (one L2 round trip); the weights 2^(m_s - M) / L go round the warp by shuffles. For one token
+ * the warp also leaves its block's 8-bit form (qc_q8_quantize_block on the same values:
+ * qc_quantize_q8_kernel's bits) for the o projection (cu->q8x_of), so the step launches no
+ * quantization after it.
+ * Why a launch of its own: step stamps of the flash decode (H200, real file, 8704 keys, 2026-12-04;
+ * report 20261204-1ebaa91-*-ab, medians a layer) put its blocks' keys walked 2.2 us after their
+ * release, their split counted 4.0 us after it, and the last block's merge (three L2 round
+ * trips one after another, one block a KV head) ending 3-4 us after that, 8.8 us from the
+ * first release to the last end, while the step waited; the 8-bit quantization launched after
+ * it took 0.6 us more. Here 28 warps (0.5B) merge in parallel once the flash blocks end, with
+ * no count and no fence.
+ * Measured (same lease, three alternating rounds against 1ebaa91): 1771.0-1784.7 tok/s at 8704
+ * keys against 1516.0-1524.6 (+17%), 1654.9-1676.2 at 16896 against 1432.2-1447.7 (+16%); 512
+ * and 2560 keys (the one-launch attention) even. Stamped, the step 672.6 -> 581.4 us at 8704
+ * keys: the flash kernel's share of a layer 9.34 -> 5.22 us, this launch's 2.56 where the
+ * quantization's was 2.53. */
+#define QC_FA_MERGE_WARPS 4
+template <int D, int SPLITS>
+__global__ void __launch_bounds__(32 * QC_FA_MERGE_WARPS)
+qc_flash_merge_kernel(const float *__restrict__ part, int n, int n_head, int n_head_kv, int n_rt,
+                      float *__restrict__ out, int8_t *out_qs, float2 *out_ds) {
+    static_assert(SPLITS <= 32 && D % 32 == 0, "a split a lane, a block of 32 columns a warp");
+    constexpr int R = 16 * QC_FA_DECODE_WARPS, RS = D + 2, CHUNKS = D / 32;
+    qc_grid_start();
+    const int lane = threadIdx.x & 31;
+    const int64_t b = (int64_t)blockIdx.x * QC_FA_MERGE_WARPS + (threadIdx.x >> 5);   /* out[32 b ..] */
+    if (b >= (int64_t)n * n_head * CHUNKS) return;
+    const int per_token = n_head * CHUNKS;
+    const int t = (int)(b / per_token), h = (int)(b % per_token) / CHUNKS, chunk = (int)(b % CHUNKS);
+    const int G = n_head / n_head_kv, kvh = h / G, r = t * G + h % G;
+    /* row r % R of row tile r / R of KV head kvh, in split s at rows + s * R * RS */
+    const float *rows = part + ((int64_t)(kvh * n_rt + r / R) * SPLITS * R + r % R) * RS;
+    const float m = lane < SPLITS ? __ldcg(rows + (int64_t)lane * R * RS) : -INFINITY;
+    const float l = lane < SPLITS ? __ldcg(rows + (int64_t)lane * R * RS + 1) : 0.0f;
+    float v[SPLITS];
+#pragma unroll
+    for (int s2 = 0; s2 < SPLITS; s2++) v[s2] = __ldcg(rows + (int64_t)s2 * R * RS + 2 + 32 * chunk + lane);
+    float M = m;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    const float w = m == -INFINITY ? 0.0f : exp2f(m - M);
+    float L = w * l;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    float acc = 0.0f;
+#pragma unroll
+    for (int s2 = 0; s2 < SPLITS; s2++) acc = fmaf(v[s2], __shfl_sync(0xffffffffu, w, s2) * inv, acc);
+    out[32 * b + lane] = acc;
+    if (out_qs) qc_q8_quantize_block(acc, lane, out_qs + 32 * b, out_ds + b);
+}
+
 /* ---- launch ----------------------------------------------------------------------------- */
 
-template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false>
+template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false, bool TAIL = false>
 static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
                         int n_head, int n_head_kv, float *out) {
     qc_cuda *cu = qc_cuda_of(be);
@@ -446,51 +520,55 @@ static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const
         return qc_cuda_value_error(be, "attention: %lld rows per KV head is too many", (long long)rows);
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const dim3 grid((unsigned)n_rt, (unsigned)n_head_kv, SPLITS);
-    qc_launch(cu, qc_flash_attention_kernel<D, WARPS, SPLITS, KW, EARLY>, grid, dim3(L::THREADS), L::bytes, q,
+    qc_launch(cu, qc_flash_attention_kernel<D, WARPS, SPLITS, KW, EARLY, TAIL>, grid, dim3(L::THREADS), L::bytes, q,
               (const __half *)cache.k, (const __half *)cache.v, pos, n, n_head, n_head_kv, scale_log2, out,
               cu->attn_part, cu->attn_done);
     return QC_LAUNCHED(be, "qc_flash_attention_kernel");
 }
 
-/* A decode step's split kernel at head_dim D: its first tiles before the wait or after it
- * (cu->flash_early), in QC_FA_SPLITS or QC_FA_SPLITS_FEW splits (cu->flash_splits_few) */
-template <int D, int SPLITS>
-static int launch_decode_s(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n, int n_head,
-                           int n_head_kv, float *out) {
-    constexpr int KW = QC_FA_DECODE_KW(D);
-    return qc_cuda_of(be)->flash_early
-               ? launch_flash<D, QC_FA_DECODE_WARPS, SPLITS, KW, true>(be, q, cache, pos, n, n_head, n_head_kv, out)
-               : launch_flash<D, QC_FA_DECODE_WARPS, SPLITS, KW>(be, q, cache, pos, n, n_head, n_head_kv, out);
-}
+/* A decode step's split kernel at head_dim D, its first tiles before the wait (EARLY) or after
+ * it (cu->flash_early 0), then the merge (qc_flash_merge_kernel, with the 8-bit form where out_qs
+ * is not NULL: 1 returned), or the last block's merge (cu->flash_tail: 0 returned). */
 template <int D>
 static int launch_decode(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n, int n_head,
-                         int n_head_kv, float *out) {
-    return qc_cuda_of(be)->flash_splits_few
-               ? launch_decode_s<D, QC_FA_SPLITS_FEW>(be, q, cache, pos, n, n_head, n_head_kv, out)
-               : launch_decode_s<D, QC_FA_SPLITS>(be, q, cache, pos, n, n_head, n_head_kv, out);
+                         int n_head_kv, float *out, int8_t *out_qs, float2 *out_ds) {
+    qc_cuda *cu = qc_cuda_of(be);
+    constexpr int KW = QC_FA_DECODE_KW(D), W = QC_FA_DECODE_WARPS, S = QC_FA_SPLITS;
+    if (cu->flash_tail)
+        return cu->flash_early ? launch_flash<D, W, S, KW, true, true>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                               : launch_flash<D, W, S, KW, false, true>(be, q, cache, pos, n, n_head, n_head_kv, out);
+    if ((cu->flash_early ? launch_flash<D, W, S, KW, true>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                         : launch_flash<D, W, S, KW>(be, q, cache, pos, n, n_head, n_head_kv, out)) < 0)
+        return -1;
+    const int64_t R = 16 * W, n_rt = ((int64_t)n * (n_head / n_head_kv) + R - 1) / R;
+    const int64_t warps = (int64_t)n * n_head * (D / 32);
+    qc_launch(cu, qc_flash_merge_kernel<D, S>, dim3((unsigned)((warps + QC_FA_MERGE_WARPS - 1) / QC_FA_MERGE_WARPS)),
+              dim3(32 * QC_FA_MERGE_WARPS), 0, (const float *)cu->attn_part, n, n_head, n_head_kv, (int)n_rt, out,
+              out_qs, out_ds);
+    if (QC_LAUNCHED(be, "qc_flash_merge_kernel") < 0) return -1;
+    return out_qs != nullptr;
 }
 
 /* More than 48 KiB of dynamic shared memory must be allowed per kernel, once, outside any graph
  * capture: at backend creation. */
-template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false>
+template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false, bool TAIL = false>
 static int allow_smem(qc_backend *be) {
-    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS, SPLITS, KW, EARLY>,
+    return QC_CUDA(be, cudaFuncSetAttribute(qc_flash_attention_kernel<D, WARPS, SPLITS, KW, EARLY, TAIL>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)qc_fa_smem<D, WARPS, KW>::bytes));
 }
 
-/* every decode variant of head_dim D in SPLITS splits */
-template <int D, int SPLITS>
+/* every decode variant of head_dim D */
+template <int D>
 static int allow_decode_smem(qc_backend *be) {
-    constexpr int KW = QC_FA_DECODE_KW(D);
-    if (allow_smem<D, QC_FA_DECODE_WARPS, SPLITS, KW>(be) < 0) return -1;
-    return allow_smem<D, QC_FA_DECODE_WARPS, SPLITS, KW, true>(be);
+    constexpr int KW = QC_FA_DECODE_KW(D), W = QC_FA_DECODE_WARPS, S = QC_FA_SPLITS;
+    if (allow_smem<D, W, S, KW>(be) < 0 || allow_smem<D, W, S, KW, true>(be) < 0) return -1;
+    return allow_smem<D, W, S, KW, false, true>(be) < 0 ? -1 : allow_smem<D, W, S, KW, true, true>(be);
 }
 
 int qc_cuda_flash_attention_init(qc_backend *be) {
     if (allow_smem<64, QC_FA_PREFILL_WARPS, 1, 1>(be) < 0 || allow_smem<128, QC_FA_PREFILL_WARPS, 1, 1>(be) < 0 ||
-        allow_decode_smem<64, QC_FA_SPLITS>(be) < 0 || allow_decode_smem<128, QC_FA_SPLITS>(be) < 0 ||
-        allow_decode_smem<64, QC_FA_SPLITS_FEW>(be) < 0 || allow_decode_smem<128, QC_FA_SPLITS_FEW>(be) < 0)
+        allow_decode_smem<64>(be) < 0 || allow_decode_smem<128>(be) < 0)
         return -1;
     return 0;
 }
@@ -505,7 +583,8 @@ static int decode_split_fits(int n, int n_head, int n_head_kv, int head_dim) {
 }
 
 int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
-                            int n, int n_head, int n_head_kv, int head_dim, float *out) {
+                            int n, int n_head, int n_head_kv, int head_dim, float *out, int8_t *out_qs,
+                            float2 *out_ds) {
     if (n <= 0) return 0;
     if (cache.type != QC_KV_F16)
         return qc_cuda_value_error(be, "flash attention reads an F16 cache, not type %d", cache.type);
@@ -514,8 +593,9 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
     if (head_dim != 64 && head_dim != 128)
         return qc_cuda_value_error(be, "flash attention: head_dim %d is not 64 or 128", head_dim);
     if (n <= QC_GEMV_MAX_TOKENS && decode_split_fits(n, n_head, n_head_kv, head_dim))
-        return head_dim == 64 ? launch_decode<64>(be, q, cache, pos, n, n_head, n_head_kv, out)
-                              : launch_decode<128>(be, q, cache, pos, n, n_head, n_head_kv, out);
-    return head_dim == 64 ? launch_flash<64, QC_FA_PREFILL_WARPS, 1, 1>(be, q, cache, pos, n, n_head, n_head_kv, out)
-                          : launch_flash<128, QC_FA_PREFILL_WARPS, 1, 1>(be, q, cache, pos, n, n_head, n_head_kv, out);
+        return head_dim == 64 ? launch_decode<64>(be, q, cache, pos, n, n_head, n_head_kv, out, out_qs, out_ds)
+                              : launch_decode<128>(be, q, cache, pos, n, n_head, n_head_kv, out, out_qs, out_ds);
+    const int r = head_dim == 64 ? launch_flash<64, QC_FA_PREFILL_WARPS, 1, 1>(be, q, cache, pos, n, n_head, n_head_kv, out)
+                                 : launch_flash<128, QC_FA_PREFILL_WARPS, 1, 1>(be, q, cache, pos, n, n_head, n_head_kv, out);
+    return r < 0 ? -1 : 0;
 }

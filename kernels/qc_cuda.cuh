@@ -62,12 +62,11 @@ typedef struct qc_cuda {
      * at creation, to compare) */
     int flash_decode;
     /* and its blocks load their first tile of keys below the eval's first position before their
-     * wait (flash_attention.cu, EARLY): QWENCUDA_FLASH_EARLY=1 at creation (an experiment, off
-     * by default: not yet run on a GPU) */
+     * wait (flash_attention.cu, EARLY), unless QWENCUDA_FLASH_EARLY=0 at creation (to compare) */
     int flash_early;
-    /* and in QC_FA_SPLITS_FEW (16) key splits, not QC_FA_SPLITS (32; flash_attention.cu):
-     * QWENCUDA_FLASH_SPLITS=16 at creation (an experiment, off by default: not yet run on a GPU) */
-    int flash_splits_few;
+    /* and the last of its blocks merges the splits (flash_attention.cu, TAIL), not the merge
+     * launch after them: QWENCUDA_FLASH_MERGE=tail at creation (to compare) */
+    int flash_tail;
     /* the decode GEMV of the 8-bit formats on 8-bit activations (1, qc_gemv_q8.cuh), or the
      * float GEMV everywhere (0: device "cuda:float"); q8x holds the quantized
      * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */
@@ -249,9 +248,12 @@ QC_BACKEND_OPS(QC_CUDA_DECLARE)
 #undef QC_CUDA_DECLARE
 
 /* The tensor-core flash attention over an F16 cache (flash_attention.cu): the attention op
- * without scores or probabilities, for any n (decode splits the keys over blocks). */
+ * without scores or probabilities, for any n (decode splits the keys over blocks). A decode's
+ * merge also leaves its output's 8-bit form at out_qs / out_ds (qc_q8x's layout) where they are
+ * not NULL, and then returns 1; else 0, or -1 on an error. */
 int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
-                            int n, int n_head, int n_head_kv, int head_dim, float *out);
+                            int n, int n_head, int n_head_kv, int head_dim, float *out, int8_t *out_qs,
+                            float2 *out_ds);
 /* Whether the attention op (without scores) of n tokens over n_kv keys runs the split-K
  * kernel, as the persistent decode kernel does (attention.cu). */
 int qc_cuda_attention_splits(qc_backend *be, int kv_type, int n, int n_kv, int n_head, int head_dim);

@@ -30,7 +30,9 @@ This tool answers that, for a copy of the tree, without changing the tree itself
 
 Inner marks: the 8-bit decode GEMVs (matmul.cu, matmul_swiglu.cu) 4 = their weight rows in
 shared memory (the lm_head's four-row kernel's too), 5 = the dot products done; qkv_attention.cu
-4 = x normalised, 5 = the rows exchanged in the cluster, 6 = the attention's partials done.
+4 = x normalised, 5 = the rows exchanged in the cluster, 6 = the attention's partials done;
+flash_attention.cu 4 = the block's keys walked, 5 = its split counted (QWENCUDA_FLASH_MERGE=tail
+only: the last block merges after it).
 
 Each translation unit keeps the last 2^19 blocks it launched: at 0.5B, matmul.cu's ~60k a step (the lm_head alone
 38k) fill that in ~9 steps, so the kernels report takes the last 8. (2^20 failed to link on the H100 machine.)
@@ -111,6 +113,10 @@ INNER = [
     ("kernels/qkv_attention.cu", "    qc_qa_wait_bytes(&rows_in);\n", "    qc_qa_wait_bytes(&rows_in);\n    qc_st_mark(5);\n", 1),
     ("kernels/qkv_attention.cu", "    __syncthreads();   /* this block's partials complete */\n",
      "    __syncthreads();   /* this block's partials complete */\n    qc_st_mark(6);\n", 1),
+    ("kernels/flash_attention.cu", "    qc_cp_async_wait<0>();\n\n#pragma unroll\n",
+     "    qc_cp_async_wait<0>();\n    qc_st_mark(4);\n\n#pragma unroll\n", 1),
+    ("kernels/flash_attention.cu", "        if (!last_block) return;\n",
+     "        qc_st_mark(5);\n        if (!last_block) return;\n", 1),
 ]
 
 
