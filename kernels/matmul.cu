@@ -415,7 +415,7 @@ __global__ void qc_quantize_q8_kernel(const float *__restrict__ x, int64_t block
  * norm costs about a launch, not a pass of every GEMV block over the row. */
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_norm_quantize_q8_kernel(const float *__restrict__ x, const long long *x_sum, const float *__restrict__ norm_w,
-                           int cols, float eps, int8_t *qs, float2 *ds) {
+                           int cols, float eps, int8_t *qs, float2 *ds, float *x_out) {
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
     const int lane = threadIdx.x & 31;
     const int b = blockIdx.x * QC_GEMV_WARPS + (threadIdx.x >> 5);
@@ -428,6 +428,7 @@ qc_norm_quantize_q8_kernel(const float *__restrict__ x, const long long *x_sum, 
     const float xi = mine ? qc_x_plus_sum(x, x_sum, i) : 0.0f;
     const float scale = qc_norm_row_scale(x, cols, eps, norm_tmp, x_sum);
     if (mine) qc_q8_quantize_block(xi * scale * w, lane, qs + 32 * b, ds + b);
+    if (x_out && mine) x_out[i] = xi;   /* (sum_add's value: qc_x_plus_sum) */
 }
 
 int qc_cuda_gemv_q8(qc_backend *be, uint32_t type, int64_t cols) {
@@ -450,15 +451,17 @@ int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_
 }
 
 int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const int64_t *x_sum, const float *norm_w,
-                             int64_t cols, float eps, qc_q8x *out) {
+                             int64_t cols, float eps, qc_q8x *out, float *x_out) {
     qc_cuda *cu = qc_cuda_of(be);
     if (cols % 32 != 0 || cols > QC_NORM_FUSE_MAX_COLS)
         return qc_cuda_value_error(be, "norm_quantize_q8: %lld columns", (long long)cols);
+    if (x_out && (!x_sum || x_out == x))
+        return qc_cuda_value_error(be, "norm_quantize_q8: x_out takes sums and a row apart from x");
     int8_t *qs = (int8_t *)cu->q8x;
     float2 *ds = qc_q8x_ds_at(cu->q8x, 1, cols);
     const unsigned blocks = (unsigned)((cols / 32 + QC_GEMV_WARPS - 1) / QC_GEMV_WARPS);
     qc_launch(cu, qc_norm_quantize_q8_kernel, dim3(blocks), dim3(32 * QC_GEMV_WARPS), 0, x, (const long long *)x_sum,
-              norm_w, (int)cols, eps, qs, ds);
+              norm_w, (int)cols, eps, qs, ds, x_out);
     *out = qc_q8x{qs, ds, cols, cols / 32};
     cu->q8x_of = NULL;
     return QC_LAUNCHED(be, "qc_norm_quantize_q8_kernel");
@@ -767,7 +770,7 @@ int qc_cuda_matmul_draw(qc_backend *be, const qc_weight *w, const float *x, cons
      * in one launch (qc_norm_quantize_q8_kernel: rmsnorm's numbers, then qc_quantize_q8_kernel's),
      * where it took the rmsnorm and the quantize kernels */
     qc_q8x xq = {};
-    if (norm_w && qc_cuda_norm_quantize_q8(be, x, x_sum, norm_w, w->cols, eps, &xq) < 0) return -1;
+    if (norm_w && qc_cuda_norm_quantize_q8(be, x, x_sum, norm_w, w->cols, eps, &xq, NULL) < 0) return -1;
     if (matmul_any(be, w, NULL, x, 1, NULL, logits, 0, NULL, norm_w ? &xq : NULL, &draw) < 0) return -1;
     if (ids) qc_cuda_forget_rope(cu);   /* it moves the position (feed_draw) */
     qc_launch(cu, qc_head_draw_finish_kernel, dim3(1), dim3(32), 0, draw);

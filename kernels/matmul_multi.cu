@@ -26,6 +26,7 @@
 #include "qc_gemv.cuh"
 #include "qc_gemv_q8.cuh"
 #include "qc_rope.cuh"
+#include "qc_slices.cuh"
 
 /* One weight of a launch, by value in the kernel's parameters. */
 struct qc_gemv_part {
@@ -170,9 +171,12 @@ static void launch_multi(const qc_gemv_parts &launch, dim3 grid, int64_t cols, c
 #undef QC_ARGS_
 }
 
-/* matmul_multi, and with rope (one token) the q, k, v launch that rotates and stores too. */
+/* matmul_multi, and with rope (one token) the q, k, v launch that rotates and stores too. x_sum
+ * (or NULL): x is x plus these sums (a folded down projection's), which go to x_out: by the
+ * norm's quantize launch where the 8-bit parts take one, else by a sum_add launch first. */
 static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x, int n,
-                 const float *norm_w, float eps, const qc_gemv_rope *rope, int kv_type) {
+                 const float *norm_w, float eps, const qc_gemv_rope *rope, int kv_type, const int64_t *x_sum,
+                 float *x_out) {
     qc_cuda *cu = qc_cuda_of(be);
     if (n_parts < 1 || n_parts > QC_MATMUL_MULTI_MAX)
         return qc_cuda_value_error(be, "matmul_multi: %d weights (1..%d)", n_parts, QC_MATMUL_MULTI_MAX);
@@ -185,8 +189,17 @@ static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const
                                        (long long)w->rows, (long long)w->cols, (long long)cols);
     }
     if (n <= 0) return 0;
-    int all_q8 = 1;
-    for (int i = 0; i < n_parts; i++) all_q8 &= qc_cuda_gemv_q8(be, parts[i].w->type, cols);
+    int all_q8 = 1, any_q8 = 0;
+    for (int i = 0; i < n_parts; i++) {
+        all_q8 &= qc_cuda_gemv_q8(be, parts[i].w->type, cols);
+        any_q8 |= qc_cuda_gemv_q8(be, parts[i].w->type, cols);
+    }
+    if (x_sum && !(n == 1 && norm_w && any_q8 && cols <= QC_NORM_FUSE_MAX_COLS &&
+                   (all_q8 || cols <= QC_NORM_IN_BLOCK_MAX_COLS))) {
+        if (qc_cuda_sum_add(be, x, x_sum, cols, x_out) < 0) return -1;
+        x = x_out;
+        x_sum = NULL;
+    }
     if (norm_w && (n != 1 || cols > QC_NORM_FUSE_MAX_COLS || (!all_q8 && cols > QC_NORM_IN_BLOCK_MAX_COLS))) {
         if (qc_cuda_norm_to_scratch(be, x, norm_w, n, cols, eps, &x) < 0) return -1;
         norm_w = NULL;
@@ -222,8 +235,10 @@ static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const
      * memory only for float parts */
     qc_q8x xq = {};
     if (launch.any_q8) {
-        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, NULL, norm_w, cols, eps, &xq) : qc_cuda_quantize_q8(be, x, n, cols, &xq)) < 0)
+        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, x_sum, norm_w, cols, eps, &xq, x_sum ? x_out : NULL)
+                    : qc_cuda_quantize_q8(be, x, n, cols, &xq)) < 0)
             return -1;
+        if (x_sum) x = x_out;   /* (the float parts normalise it in their blocks) */
         if (all_q8) norm_w = NULL;
     }
     if (rope) {
@@ -246,20 +261,31 @@ static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const
 
 int qc_cuda_matmul_multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x,
                          int n, const float *norm_w, float eps) {
-    return multi(be, parts, n_parts, x, n, norm_w, eps, NULL, 0);
+    return multi(be, parts, n_parts, x, n, norm_w, eps, NULL, 0, NULL, NULL);
 }
 
-int qc_cuda_matmul_qkv_rope(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,
-                            float eps, const int32_t *pos, int n_head, int n_head_kv, int head_dim, float theta,
-                            qc_kv_cache cache) {
+int qc_cuda_matmul_qkv_rope_sum(qc_backend *be, const qc_matmul_part *qkv, const float *x, const int64_t *x_sum,
+                                float *x_out, int n, const float *norm_w, float eps, const int32_t *pos, int n_head,
+                                int n_head_kv, int head_dim, float theta, qc_kv_cache cache) {
     /* one launch for one token whose q, k and v rows are whole heads of pairs of pairs */
     const int64_t q_dim = (int64_t)n_head * head_dim, kv_dim = (int64_t)n_head_kv * head_dim;
     if (n == 1 && head_dim > 0 && head_dim % 4 == 0 && n_head > 0 && n_head_kv > 0 && qkv[0].w->rows == q_dim &&
         qkv[1].w->rows == kv_dim && qkv[2].w->rows == kv_dim && (cache.type == QC_KV_F16 || cache.type == QC_KV_F32)) {
         const qc_gemv_rope rope = {pos, cache.k, cache.v, kv_dim, head_dim, (double)theta};
-        return multi(be, qkv, 3, x, n, norm_w, eps, &rope, cache.type);
+        return multi(be, qkv, 3, x, n, norm_w, eps, &rope, cache.type, x_sum, x_out);
+    }
+    if (x_sum) {
+        if (qc_cuda_sum_add(be, x, x_sum, qkv[0].w->cols, x_out) < 0) return -1;
+        x = x_out;
     }
     if (qc_cuda_matmul_multi(be, qkv, 3, x, n, norm_w, eps) < 0) return -1;
     return qc_cuda_rope_kv_store(be, qkv[0].out, qkv[1].out, qkv[2].out, pos, n, n_head, n_head_kv, head_dim, theta,
                                  cache);
+}
+
+int qc_cuda_matmul_qkv_rope(qc_backend *be, const qc_matmul_part *qkv, const float *x, int n, const float *norm_w,
+                            float eps, const int32_t *pos, int n_head, int n_head_kv, int head_dim, float theta,
+                            qc_kv_cache cache) {
+    return qc_cuda_matmul_qkv_rope_sum(be, qkv, x, NULL, NULL, n, norm_w, eps, pos, n_head, n_head_kv, head_dim, theta,
+                                       cache);
 }

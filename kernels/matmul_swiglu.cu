@@ -315,7 +315,7 @@ static int q8out_input(qc_backend *be, const qc_weight *w_gate, const float *x, 
         *norm_ss = cu->norm_ss;
         return 0;
     }
-    return norm_w ? qc_cuda_norm_quantize_q8(be, x, NULL, norm_w, w_gate->cols, eps, xq)
+    return norm_w ? qc_cuda_norm_quantize_q8(be, x, NULL, norm_w, w_gate->cols, eps, xq, NULL)
                   : qc_cuda_quantize_q8(be, x, 1, w_gate->cols, xq);
 }
 
@@ -411,7 +411,7 @@ int qc_cuda_matmul_swiglu(qc_backend *be, const qc_weight *w_gate, const qc_weig
     }
     qc_q8x xq = {};
     if (gate_q8 || up_q8) {
-        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, NULL, norm_w, w_gate->cols, eps, &xq)
+        if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, NULL, norm_w, w_gate->cols, eps, &xq, NULL)
                     : qc_cuda_quantize_q8(be, x, n, w_gate->cols, &xq)) < 0)
             return -1;
         if (gate_q8 && up_q8) norm_w = NULL;

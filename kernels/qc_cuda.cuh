@@ -67,6 +67,11 @@ typedef struct qc_cuda {
     /* and the last of its blocks merges the splits (flash_attention.cu, TAIL), not the merge
      * launch after them: QWENCUDA_FLASH_MERGE=tail at creation (to compare) */
     int flash_tail;
+    /* qkv_attention's fallback (flash decode past QC_KV_SHORT keys) adds a folded down
+     * projection's sums in the norm's quantize launch (qc_cuda_matmul_qkv_rope_sum), not by a
+     * sum_add launch before it: QWENCUDA_NORM_SUMS=1 at creation (an experiment, off by default:
+     * not yet run on a GPU) */
+    int norm_sums;
     /* the decode GEMV of the 8-bit formats on 8-bit activations (1, qc_gemv_q8.cuh), or the
      * float GEMV everywhere (0: device "cuda:float"); q8x holds the quantized
      * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */
@@ -254,6 +259,12 @@ QC_BACKEND_OPS(QC_CUDA_DECLARE)
 int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos,
                             int n, int n_head, int n_head_kv, int head_dim, float *out, int8_t *out_qs,
                             float2 *out_ds);
+/* matmul_qkv_rope of x plus x_sum's fixed-point sums (a folded down projection's; NULL: none),
+ * which also go to x_out (one token: qkv_attention's fallback): added by the norm's quantize
+ * launch (cu->norm_sums) or a sum_add launch before (matmul_multi.cu). */
+int qc_cuda_matmul_qkv_rope_sum(qc_backend *be, const qc_matmul_part *qkv, const float *x, const int64_t *x_sum,
+                                float *x_out, int n, const float *norm_w, float eps, const int32_t *pos, int n_head,
+                                int n_head_kv, int head_dim, float theta, qc_kv_cache cache);
 /* Whether the attention op (without scores) of n tokens over n_kv keys runs the split-K
  * kernel, as the persistent decode kernel does (attention.cu). */
 int qc_cuda_attention_splits(qc_backend *be, int kv_type, int n, int n_kv, int n_head, int head_dim);

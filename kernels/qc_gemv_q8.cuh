@@ -530,9 +530,10 @@ static inline size_t qc_q8x_bytes(int n, int64_t cols) {
 int qc_cuda_quantize_q8(qc_backend *be, const float *x, int n, int64_t cols, qc_q8x *out);
 /* The same for one row normalised first (the fused ops' norm of a decode step: rmsnorm's bits),
  * cols <= QC_NORM_FUSE_MAX_COLS; x_sum (or NULL): the row is x plus these fixed-point sums (a
- * folded down projection's, qc_x_plus_sum). */
+ * folded down projection's, qc_x_plus_sum), which also go to x_out where it is not NULL (the
+ * values qc_cuda_sum_add writes). */
 int qc_cuda_norm_quantize_q8(qc_backend *be, const float *x, const int64_t *x_sum, const float *norm_w,
-                             int64_t cols, float eps, qc_q8x *out);
+                             int64_t cols, float eps, qc_q8x *out, float *x_out);
 /* Whether matmuls of weight type `type` and `cols` columns take the 8-bit GEMV on this backend. */
 int qc_cuda_gemv_q8(qc_backend *be, uint32_t type, int64_t cols);
 
