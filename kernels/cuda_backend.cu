@@ -539,6 +539,8 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->flash_tail = flash_merge && strcmp(flash_merge, "tail") == 0;
         const char *norm_sums = getenv("QWENCUDA_NORM_SUMS");
         cu->norm_sums = norm_sums && strcmp(norm_sums, "1") == 0;
+        const char *qkv_norm = getenv("QWENCUDA_QKV_NORM");
+        cu->qkv_norm = qkv_norm && strcmp(qkv_norm, "1") == 0;
         int sm90 = 0;
         if (sm90_code(be, &sm90) < 0) {
             qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);

@@ -90,13 +90,20 @@ struct qc_gemv_rope {
  * v (rope_kv_store's values). Block j of q or k holds pairs i and i + 1 of head h
  * (i = 2 (j mod head_dim / 4), h = j div (head_dim / 4)): warps 0 and 1 compute rows i and i + 1,
  * warps 2 and 3 their partners i + head_dim / 2 and i + 1 + head_dim / 2, and warps 0 and 1
- * rotate the pairs. The v part's blocks are matmul_multi's. */
-template <bool ANY_Q8, typename KV>
+ * rotate the pairs. The v part's blocks are matmul_multi's.
+ * NORM_Q8 (every part 8-bit, one token, cu->qkv_norm): every block normalises x (plus x_sum's
+ * sums where not NULL; block 0 leaves x plus them in x_out) and quantizes it into its own shared
+ * memory, with qc_norm_quantize_q8_kernel's bits (the same row scale over the same block size,
+ * the same products), instead of reading the 8-bit x that launch wrote: a launch fewer a layer,
+ * as qkv_attention.cu's blocks do. */
+template <bool ANY_Q8, typename KV, bool NORM_Q8 = false>
 __global__ void __launch_bounds__(32 * QC_GEMV_WARPS)
 qc_gemv_qkv_rope_kernel(const qc_gemv_parts parts, int64_t cols, const float *__restrict__ x, const qc_q8x xq,
-                        const float *__restrict__ norm_w, float eps, const qc_gemv_rope rope) {
+                        const float *__restrict__ norm_w, float eps, const qc_gemv_rope rope,
+                        const long long *x_sum, float *x_out) {
+    static_assert(!NORM_Q8 || ANY_Q8, "the in-block 8-bit norm: 8-bit parts");
     static_assert(QC_GEMV_WARPS == 4, "two pairs a block");
-    __shared__ float xs[QC_NORM_FUSE_MAX_COLS];
+    __shared__ __align__(16) float xs[QC_NORM_FUSE_MAX_COLS];   /* (NORM_Q8: the 8-bit x, 16-byte loads) */
     __shared__ float norm_tmp[QC_NORM_ROW_THREADS / 32 + 1];
     __shared__ float row_out[QC_GEMV_WARPS];
     int which = 0;   /* 0 q, 1 k, 2 v (an unrolled loop, as in qc_gemv_multi_kernel) */
@@ -127,11 +134,27 @@ qc_gemv_qkv_rope_kernel(const qc_gemv_parts parts, int64_t cols, const float *__
                                                           : make_double2(1.0, 0.0);
     const float b_r = lane == 0 && p.bias && r < p.rows ? p.bias[r] : 0.0f;   /* a weight: before the wait */
     qc_grid_start();
-    if (norm_w) qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+    qc_q8x xq_in = xq;
+    if constexpr (NORM_Q8) {
+        /* xs as bytes, laid out as qc_q8x (its quants, then the blocks' (d, s)) */
+        int8_t *xs_qs = reinterpret_cast<int8_t *>(xs);
+        float2 *xs_ds = qc_q8x_ds_at(xs_qs, 1, cols);
+        const float scale = qc_norm_row_scale(x, (int)cols, eps, norm_tmp, x_sum);
+        for (int b = warp; b < (int)(cols / 32); b += QC_GEMV_WARPS) {
+            const int idx = 32 * b + lane;
+            const float xi = qc_x_plus_sum(x, x_sum, idx);
+            qc_q8_quantize_block(xi * scale * __ldg(norm_w + idx), lane, xs_qs + 32 * b, xs_ds + b);
+            if (x_out && blockIdx.x == 0) x_out[idx] = xi;
+        }
+        __syncthreads();
+        xq_in = qc_q8x{xs_qs, xs_ds, cols, cols / 32};
+    } else if (norm_w) {
+        qc_norm_row_to_shared(x, norm_w, (int)cols, eps, xs, norm_tmp);
+    }
     if (r >= p.rows) return;   /* only past v's last row (whole warps): q and k blocks are whole */
     float acc[1];
-    qc_gemv_row_either<1>(ANY_Q8 && p.q8, p.type, p.W + r * p.row_bytes, cols, xq, norm_w ? xs : NULL, x, 1, 0,
-                          lane, acc);
+    qc_gemv_row_either<1>(ANY_Q8 && p.q8, p.type, p.W + r * p.row_bytes, cols, xq_in, !NORM_Q8 && norm_w ? xs : NULL,
+                          x, 1, 0, lane, acc);
     const float y = p.bias ? acc[0] + b_r : acc[0];
     if (which == 2) {
         if (lane == 0) {
@@ -234,6 +257,20 @@ static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const
     /* the 8-bit parts' x, quantized once here (after the norm); the blocks normalise in shared
      * memory only for float parts */
     qc_q8x xq = {};
+    /* the q, k, v launch normalises and quantizes x in its blocks (NORM_Q8, cu->qkv_norm) */
+    const int norm_in_blocks = cu->qkv_norm && rope && all_q8 && norm_w && n == 1 && cols % 32 == 0 &&
+                               cols <= QC_NORM_FUSE_MAX_COLS;
+    if (norm_in_blocks) {
+        const dim3 block(32 * QC_GEMV_WARPS);
+        if (kv_type == QC_KV_F16)
+            qc_launch(cu, qc_gemv_qkv_rope_kernel<true, __half, true>, grid, block, 0, launch, cols, x, xq, norm_w, eps,
+                      *rope, (const long long *)x_sum, x_sum ? x_out : nullptr);
+        else
+            qc_launch(cu, qc_gemv_qkv_rope_kernel<true, float, true>, grid, block, 0, launch, cols, x, xq, norm_w, eps,
+                      *rope, (const long long *)x_sum, x_sum ? x_out : nullptr);
+        cu->q8x_of = NULL;   /* (as after the norm's quantize launch) */
+        return QC_LAUNCHED(be, "qc_gemv_qkv_rope_kernel");
+    }
     if (launch.any_q8) {
         if ((norm_w ? qc_cuda_norm_quantize_q8(be, x, x_sum, norm_w, cols, eps, &xq, x_sum ? x_out : NULL)
                     : qc_cuda_quantize_q8(be, x, n, cols, &xq)) < 0)
@@ -243,7 +280,9 @@ static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const
     }
     if (rope) {
         const dim3 block(32 * QC_GEMV_WARPS);
-#define QC_ROPE_LAUNCH_(Q8, KV) qc_launch(cu, qc_gemv_qkv_rope_kernel<Q8, KV>, grid, block, 0, launch, cols, x, xq, norm_w, eps, *rope)
+#define QC_ROPE_LAUNCH_(Q8, KV) \
+    qc_launch(cu, qc_gemv_qkv_rope_kernel<Q8, KV>, grid, block, 0, launch, cols, x, xq, norm_w, eps, *rope, \
+              (const long long *)nullptr, (float *)nullptr)
         if (kv_type == QC_KV_F16) {
             if (launch.any_q8) QC_ROPE_LAUNCH_(true, __half);
             else QC_ROPE_LAUNCH_(false, __half);

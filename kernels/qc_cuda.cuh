@@ -72,6 +72,10 @@ typedef struct qc_cuda {
      * sum_add launch before it: QWENCUDA_NORM_SUMS=1 at creation (an experiment, off by default:
      * not yet run on a GPU) */
     int norm_sums;
+    /* and its q, k, v launch normalises and quantizes x in each block (matmul_multi.cu, NORM_Q8;
+     * the sums too), with no norm launch before it: QWENCUDA_QKV_NORM=1 at creation (an
+     * experiment, off by default: not yet run on a GPU) */
+    int qkv_norm;
     /* the decode GEMV of the 8-bit formats on 8-bit activations (1, qc_gemv_q8.cuh), or the
      * float GEMV everywhere (0: device "cuda:float"); q8x holds the quantized
      * activations of one matmul (QC_GEMV_MAX_TOKENS x QC_Q8X_MAX_COLS), made at creation */
@@ -261,7 +265,8 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
                             float2 *out_ds);
 /* matmul_qkv_rope of x plus x_sum's fixed-point sums (a folded down projection's; NULL: none),
  * which also go to x_out (one token: qkv_attention's fallback): added by the norm's quantize
- * launch (cu->norm_sums) or a sum_add launch before (matmul_multi.cu). */
+ * launch (cu->norm_sums), by the q, k, v launch's blocks (cu->qkv_norm), or a sum_add launch
+ * before (matmul_multi.cu). */
 int qc_cuda_matmul_qkv_rope_sum(qc_backend *be, const qc_matmul_part *qkv, const float *x, const int64_t *x_sum,
                                 float *x_out, int n, const float *norm_w, float eps, const int32_t *pos, int n_head,
                                 int n_head_kv, int head_dim, float theta, qc_kv_cache cache);

@@ -387,47 +387,57 @@ def test_flash_decode_merge_launch_matches_the_last_blocks_merge(paths, config, 
         assert err < bound, (config, device, err)
 
 
-def _launches(fn, name):
-    """How many CUDA kernels whose name contains `name` fn() ran (torch's profiler, CUPTI); None
-    without torch."""
+def _launches(fn, names):
+    """For each of names, how many CUDA kernels whose name contains it fn() ran (torch's
+    profiler, CUPTI); None without torch."""
     try:
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
         return None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-    return sum(1 for e in prof.events() if name in e.name)
+    return tuple(sum(1 for e in prof.events() if name in e.name) for name in names)
 
 
 @pytest.mark.gpu
-def test_norm_sums_in_the_norm_launch_change_no_bit(tmp_path, monkeypatch):
-    """QWENCUDA_NORM_SUMS=1 (qc_cuda_matmul_qkv_rope_sum): past QC_KV_SHORT keys a folded step's
-    attention norm adds the down projection's sums itself (qc_x_plus_sum, the values sum_add
-    writes, also left in x_out for the residual) instead of a sum_add launch before it. The same
-    floats in the same order: the logits of replayed and op-by-op steps equal the default's bit
-    for bit, and a step runs n_layer - 1 fewer sum_add launches (layers 1.. fold their sums into
-    the next attention; the head's sum_add stays, as the step hands back logits)."""
+def test_norm_sums_and_qkv_norm_change_no_bit(tmp_path, monkeypatch):
+    """Two staged switches of the flash decode's layers (past QC_KV_SHORT keys, qkv_attention.cu's
+    fallback), each the same floats in the same order as the default:
+    QWENCUDA_NORM_SUMS=1 (qc_cuda_matmul_qkv_rope_sum): the attention norm's quantize launch adds
+    the folded down projection's sums itself (qc_x_plus_sum, the values sum_add writes, also left
+    in x_out for the residual), no sum_add launch before it;
+    QWENCUDA_QKV_NORM=1 (matmul_multi.cu, NORM_Q8): the q, k, v launch's blocks normalise and
+    quantize x (with the sums) in their shared memory, as the norm's launch does, no norm launch.
+    The logits of replayed and op-by-op steps equal the default's bit for bit; a step runs
+    n_layer - 1 fewer sum_add launches with either (layers 1.. take sums; the head's sum_add
+    stays, the step handing back logits) and n_layer fewer norm launches with QKV_NORM."""
     cfg = dict(n_vocab=400, dim=448, n_layer=3, n_head=7, n_head_kv=1, ffn_dim=512)
     path = testing.write_model(str(tmp_path / "fold3.gguf"), config=cfg, weight_type="q8_0")
     n_prompt = 3300
     ids = [int(t) for t in ids_for(n_prompt + 7, seed=7)]
-    out, sum_adds = {}, {}
-    for on in ("0", "1"):
+    variants = {"default": {}, "norm_sums": {"QWENCUDA_NORM_SUMS": "1"}, "qkv_norm": {"QWENCUDA_QKV_NORM": "1"}}
+    out, launches = {}, {}
+    for name, env in variants.items():
         for graphs in (True, False):
             with monkeypatch.context() as mp:
-                mp.setenv("QWENCUDA_NORM_SUMS", on)
+                for k, v in env.items():
+                    mp.setenv(k, v)
                 if not graphs:
                     mp.setenv("QWENCUDA_NO_GRAPHS", "1")
                 with qc.Model(path, device="cuda") as m:
                     s = m.session(max_context=n_prompt + 8, kv_type="f16")
                     s.prefill(ids[:n_prompt])
-                    out[on, graphs] = np.array([s.step(t).logits[0] for t in ids[n_prompt:-1]])
+                    out[name, graphs] = np.array([s.step(t).logits[0] for t in ids[n_prompt:-1]])
                     if not graphs:
-                        sum_adds[on] = _launches(lambda: s.step(ids[-1]), "qc_sum_add_kernel")
+                        launches[name] = _launches(lambda: s.step(ids[-1]),
+                                                   ("qc_sum_add_kernel", "qc_norm_quantize_q8_kernel"))
     for key, logits in out.items():
-        np.testing.assert_array_equal(logits, out["0", True], err_msg=str(key))
-    if sum_adds["0"] is not None:
-        assert sum_adds["0"] - sum_adds["1"] == cfg["n_layer"] - 1, sum_adds
+        np.testing.assert_array_equal(logits, out["default", True], err_msg=str(key))
+    if launches["default"] is not None:
+        (sums, norms) = launches["default"]
+        n_layer = cfg["n_layer"]
+        assert launches["norm_sums"] == (sums - (n_layer - 1), norms), launches
+        assert launches["qkv_norm"] == (sums - (n_layer - 1), norms - n_layer), launches
 
 
 # ---- depth parity with llama.cpp on the real model ------------------------------------------
