@@ -78,6 +78,11 @@ static int env_on(const char *name) {
     const char *env = getenv(name);
     return !(env && strcmp(env, "0") == 0);
 }
+/* whether environment variable name is set to value (a switch that is off by default) */
+static int env_is(const char *name, const char *value) {
+    const char *env = getenv(name);
+    return env && strcmp(env, value) == 0;
+}
 
 /* ---------------------------------------------------------------------------------------- */
 /* memory */
@@ -532,15 +537,11 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         goto fail;
     }
     {
-        const char *decode = getenv("QWENCUDA_DECODE_ATTENTION");
-        cu->flash_decode = !(decode && strcmp(decode, "split") == 0);
+        cu->flash_decode = !env_is("QWENCUDA_DECODE_ATTENTION", "split");
         cu->flash_early = env_on("QWENCUDA_FLASH_EARLY");
-        const char *flash_merge = getenv("QWENCUDA_FLASH_MERGE");
-        cu->flash_tail = flash_merge && strcmp(flash_merge, "tail") == 0;
-        const char *norm_sums = getenv("QWENCUDA_NORM_SUMS");
-        cu->norm_sums = norm_sums && strcmp(norm_sums, "1") == 0;
-        const char *qkv_norm = getenv("QWENCUDA_QKV_NORM");
-        cu->qkv_norm = qkv_norm && strcmp(qkv_norm, "1") == 0;
+        cu->flash_tail = env_is("QWENCUDA_FLASH_MERGE", "tail");
+        cu->norm_sums = env_is("QWENCUDA_NORM_SUMS", "1");
+        cu->qkv_norm = env_is("QWENCUDA_QKV_NORM", "1");
         int sm90 = 0;
         if (sm90_code(be, &sm90) < 0) {
             qc_fail(err, be->err.kind, "cuda:%d: %s", device, be->err.msg);
@@ -570,8 +571,7 @@ extern "C" int qc_cuda_backend_create(int device, int float_gemv, qc_backend **o
         cu->copy_kernel = env_on("QWENCUDA_COPY_KERNEL");
         cu->draw_to_host = env_on("QWENCUDA_DRAW_TO_HOST");
         cu->down_fold = env_on("QWENCUDA_DOWN_FOLD");
-        const char *rw = getenv("QWENCUDA_ADD_NORM_WARP_ROWS");
-        cu->add_norm_rw = rw && strcmp(rw, "4") == 0 ? 4 : 2;
+        cu->add_norm_rw = env_is("QWENCUDA_ADD_NORM_WARP_ROWS", "4") ? 4 : 2;
     }
     qc_cuda_qkv_attention_init(be);
     if (qc_cuda_flash_attention_init(be) < 0) {

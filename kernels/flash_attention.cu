@@ -496,9 +496,7 @@ qc_flash_merge_kernel(const float *__restrict__ part, int n, int n_head, int n_h
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
     const float w = m == -INFINITY ? 0.0f : exp2f(m - M);
-    float L = w * l;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+    const float L = qc_norm_warp_sum(w * l);
     const float inv = L > 0.0f ? 1.0f / L : 0.0f;
     float acc = 0.0f;
 #pragma unroll
@@ -509,15 +507,21 @@ qc_flash_merge_kernel(const float *__restrict__ part, int n, int n_head, int n_h
 
 /* ---- launch ----------------------------------------------------------------------------- */
 
+/* Row tiles of R rows of a KV head's n * (n_head / n_head_kv) rows: the grid's x, the merge's
+ * and the partials' count. */
+static int64_t row_tiles(int n, int n_head, int n_head_kv, int64_t R) {
+    return ((int64_t)n * (n_head / n_head_kv) + R - 1) / R;
+}
+
 template <int D, int WARPS, int SPLITS, int KW, bool EARLY = false, bool TAIL = false>
 static int launch_flash(qc_backend *be, const float *q, qc_kv_cache cache, const int32_t *pos, int n,
                         int n_head, int n_head_kv, float *out) {
     qc_cuda *cu = qc_cuda_of(be);
     using L = qc_fa_smem<D, WARPS, KW>;
-    const int64_t rows = (int64_t)n * (n_head / n_head_kv);
-    const int64_t n_rt = (rows + L::R - 1) / L::R;
+    const int64_t n_rt = row_tiles(n, n_head, n_head_kv, L::R);
     if (n_rt > INT32_MAX || n_head_kv > 65535)
-        return qc_cuda_value_error(be, "attention: %lld rows per KV head is too many", (long long)rows);
+        return qc_cuda_value_error(be, "attention: %lld rows per KV head is too many",
+                                   (long long)n * (n_head / n_head_kv));
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     const dim3 grid((unsigned)n_rt, (unsigned)n_head_kv, SPLITS);
     qc_launch(cu, qc_flash_attention_kernel<D, WARPS, SPLITS, KW, EARLY, TAIL>, grid, dim3(L::THREADS), L::bytes, q,
@@ -540,7 +544,7 @@ static int launch_decode(qc_backend *be, const float *q, qc_kv_cache cache, cons
     if ((cu->flash_early ? launch_flash<D, W, S, KW, true>(be, q, cache, pos, n, n_head, n_head_kv, out)
                          : launch_flash<D, W, S, KW>(be, q, cache, pos, n, n_head, n_head_kv, out)) < 0)
         return -1;
-    const int64_t R = 16 * W, n_rt = ((int64_t)n * (n_head / n_head_kv) + R - 1) / R;
+    const int64_t n_rt = row_tiles(n, n_head, n_head_kv, 16 * W);
     const int64_t warps = (int64_t)n * n_head * (D / 32);
     qc_launch(cu, qc_flash_merge_kernel<D, S>, dim3((unsigned)((warps + QC_FA_MERGE_WARPS - 1) / QC_FA_MERGE_WARPS)),
               dim3(32 * QC_FA_MERGE_WARPS), 0, (const float *)cu->attn_part, n, n_head, n_head_kv, (int)n_rt, out,
@@ -576,8 +580,7 @@ int qc_cuda_flash_attention_init(qc_backend *be) {
 /* Whether a short eval's partials fit cu->attn_part and its row tiles cu->attn_done (shapes
  * only: graph-safe); else one block walks every key of its rows. */
 static int decode_split_fits(int n, int n_head, int n_head_kv, int head_dim) {
-    const int64_t R = 16 * QC_FA_DECODE_WARPS;
-    const int64_t n_rt = ((int64_t)n * (n_head / n_head_kv) + R - 1) / R;
+    const int64_t R = 16 * QC_FA_DECODE_WARPS, n_rt = row_tiles(n, n_head, n_head_kv, R);
     return (int64_t)n_head_kv * n_rt <= QC_ATT_PAIRS &&
            (int64_t)n_head_kv * n_rt * QC_FA_SPLITS * R * (head_dim + 2) <= QC_ATT_PART_FLOATS;
 }

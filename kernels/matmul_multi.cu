@@ -195,8 +195,9 @@ static void launch_multi(const qc_gemv_parts &launch, dim3 grid, int64_t cols, c
 }
 
 /* matmul_multi, and with rope (one token) the q, k, v launch that rotates and stores too. x_sum
- * (or NULL): x is x plus these sums (a folded down projection's), which go to x_out: by the
- * norm's quantize launch where the 8-bit parts take one, else by a sum_add launch first. */
+ * (or NULL): x is x plus these sums (a folded down projection's), which go to x_out: by a
+ * sum_add launch first, or (cu->norm_sums, cu->qkv_norm: experiments) by the norm where the
+ * 8-bit parts take one. */
 static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const float *x, int n,
                  const float *norm_w, float eps, const qc_gemv_rope *rope, int kv_type, const int64_t *x_sum,
                  float *x_out) {
@@ -217,8 +218,10 @@ static int multi(qc_backend *be, const qc_matmul_part *parts, int n_parts, const
         all_q8 &= qc_cuda_gemv_q8(be, parts[i].w->type, cols);
         any_q8 |= qc_cuda_gemv_q8(be, parts[i].w->type, cols);
     }
-    if (x_sum && !(n == 1 && norm_w && any_q8 && cols <= QC_NORM_FUSE_MAX_COLS &&
-                   (all_q8 || cols <= QC_NORM_IN_BLOCK_MAX_COLS))) {
+    /* the norm of one token, in a launch that quantizes (below), can add the sums */
+    const int sums_in_norm = (cu->norm_sums || cu->qkv_norm) && n == 1 && norm_w && any_q8 &&
+                             cols <= QC_NORM_FUSE_MAX_COLS && (all_q8 || cols <= QC_NORM_IN_BLOCK_MAX_COLS);
+    if (x_sum && !sums_in_norm) {
         if (qc_cuda_sum_add(be, x, x_sum, cols, x_out) < 0) return -1;
         x = x_out;
         x_sum = NULL;

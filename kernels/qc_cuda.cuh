@@ -264,9 +264,9 @@ int qc_cuda_flash_attention(qc_backend *be, const float *q, qc_kv_cache cache, c
                             int n, int n_head, int n_head_kv, int head_dim, float *out, int8_t *out_qs,
                             float2 *out_ds);
 /* matmul_qkv_rope of x plus x_sum's fixed-point sums (a folded down projection's; NULL: none),
- * which also go to x_out (one token: qkv_attention's fallback): added by the norm's quantize
- * launch (cu->norm_sums), by the q, k, v launch's blocks (cu->qkv_norm), or a sum_add launch
- * before (matmul_multi.cu). */
+ * which also go to x_out (one token: qkv_attention's fallback): added by a sum_add launch
+ * before, or by the norm's quantize launch (cu->norm_sums) or the q, k, v launch's blocks
+ * (cu->qkv_norm) (matmul_multi.cu). */
 int qc_cuda_matmul_qkv_rope_sum(qc_backend *be, const qc_matmul_part *qkv, const float *x, const int64_t *x_sum,
                                 float *x_out, int n, const float *norm_w, float eps, const int32_t *pos, int n_head,
                                 int n_head_kv, int head_dim, float theta, qc_kv_cache cache);

@@ -602,12 +602,7 @@ int qc_cuda_qkv_attention(qc_backend *be, const qc_matmul_part *qkv, const float
     if (x_sum && (n != 1 || !norm_w || !x_out || x_out == x))
         return qc_cuda_value_error(be, "qkv_attention: x_sum takes one token, a norm and an x_out apart from x");
     if (!qa_takes(be, qkv, n, n_kv, n_head, n_head_kv, head_dim, cache)) {
-        /* x + the sums first, by a launch of their own, or (cu->norm_sums, cu->qkv_norm) by the norm's */
-        if (x_sum && !cu->norm_sums && !cu->qkv_norm) {
-            if (qc_cuda_sum_add(be, x, x_sum, qkv[0].w->cols, x_out) < 0) return -1;
-            x = x_out;
-            x_sum = NULL;
-        }
+        /* (x + the sums: matmul_multi.cu says by which launch) */
         if (qc_cuda_matmul_qkv_rope_sum(be, qkv, x, x_sum, x_out, n, norm_w, eps, pos, n_head, n_head_kv, head_dim,
                                         theta, cache) < 0)
             return -1;
